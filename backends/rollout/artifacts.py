@@ -1,0 +1,43 @@
+"""Where a rollout's files live on the host: ``<root>/<rollout_id>/{artifacts/,trajectory.json}``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from backends.rollout.request import check_rollout_id
+
+log = logging.getLogger(__name__)
+
+ENV_HOME = "BACKENDS_HOME"
+
+
+def default_rollout_root() -> Path:
+    """``$BACKENDS_HOME/rollouts``, by default ``~/.backends/rollouts``."""
+    home = os.environ.get(ENV_HOME)
+    return (Path(home) if home else Path.home() / ".backends") / "rollouts"
+
+
+def rollout_dir(root: Path, rollout_id: str) -> Path:
+    return root / check_rollout_id(rollout_id)
+
+
+def make_artifacts_dir(root: Path | None, rollout_id: str) -> Path | None:
+    """Create the rollout's artifacts directory; ``None`` when it cannot be made writable.
+
+    Workflows are told to check for ``None``, so a full or read-only disk costs the
+    rollout its artifacts, not its result.
+    """
+    if root is None:
+        return None
+    path = rollout_dir(root, rollout_id) / "artifacts"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".writable"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        log.warning("no artifacts directory for rollout %s: %s", rollout_id, exc)
+        return None
+    return path

@@ -1,0 +1,103 @@
+"""What a rollout produces: the workflow's output and the sample the grader scores."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MessageDict = dict[str, Any]
+
+
+def check_messages(messages: Any, what: str = "messages") -> list[MessageDict]:
+    """Return ``messages`` as a list of dicts, or raise ``TypeError`` naming what is wrong."""
+    if not isinstance(messages, list | tuple):
+        raise TypeError(f"{what} must be a list of message dicts, got {type(messages).__name__}")
+    out: list[MessageDict] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"{what}[{i}] must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise TypeError(f"{what}[{i}] has no 'role' string")
+        out.append(dict(message))
+    return out
+
+
+class AgentWorkflowOutput(BaseModel):
+    """An explicit workflow result: the sample's messages plus finite numeric metrics.
+
+    ``info`` is reserved and never reaches the grader.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    messages: list[MessageDict] | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_are_dicts(cls, value: Any) -> Any:
+        return None if value is None else check_messages(value)
+
+
+class RolloutSample(BaseModel):
+    """The one sample a rollout produces, as the grader and the trainer see it.
+
+    ``trajectory_messages`` defaults to a deep copy of ``messages``; set it explicitly to
+    control what is saved as the ATIF trajectory, or to ``None`` to save none.
+    """
+
+    model_config = ConfigDict(allow_inf_nan=False, validate_assignment=True)
+
+    messages: list[MessageDict] = Field(default_factory=list)
+    trajectory_messages: list[MessageDict] | None = None
+    label: str | None = None
+    reward: float | None = None
+    remove_sample: bool = False
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_are_dicts(cls, value: Any) -> Any:
+        return check_messages(value)
+
+    @field_validator("trajectory_messages", mode="before")
+    @classmethod
+    def _trajectory_messages_are_dicts(cls, value: Any) -> Any:
+        return None if value is None else check_messages(value, "trajectory_messages")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_trajectory(cls, data: Any) -> Any:
+        # Unset means "same as messages"; an explicit None means "save no trajectory".
+        if isinstance(data, Mapping) and "trajectory_messages" not in data:
+            data = dict(data)
+            try:
+                data["trajectory_messages"] = copy.deepcopy(list(data.get("messages") or []))
+            except Exception:  # uncopyable framework objects: keep the native sample only
+                data["trajectory_messages"] = None
+        return data
+
+    def json_safe_metrics(self) -> dict[str, Any]:
+        """Metrics with non-finite floats dropped, for the wire and for saved files."""
+        return {k: v for k, v in self.metrics.items() if not _non_finite(v)}
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def check_reward(reward: Any) -> float:
+    """A reward must be a finite real number; bools and strings are refused."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TypeError(f"reward must be a number, got {type(reward).__name__}")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise ValueError(f"reward must be finite, got {value}")
+    return value
