@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-from backends.rollout.request import RolloutRequest, RolloutResult
+from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
 
 
 class CancelDisposition(StrEnum):
@@ -25,6 +25,10 @@ class ExecutionBackend(Protocol):
     """
 
     async def execute(self, request: RolloutRequest) -> RolloutResult: ...
+
+    def status(self, rollout_id: str) -> RolloutStatus | None:
+        """Live status (queued, running, grading) of a rollout in flight, else ``None``."""
+        ...
 
     def has_capacity(self) -> bool:
         """``False`` asks the caller to back off (the server answers 429)."""
