@@ -40,7 +40,7 @@ def load_object(ref: str | Any, *, base_dir: Path | None = None) -> Any:
 def load_module(target: str, *, base_dir: Path | None = None) -> Any:
     """Import a module by dotted name, or load a ``.py`` file (or a folder's ``main.py``)."""
     path = Path(target)
-    if target.endswith(".py") or path.is_dir() or "/" in target:
+    if target.endswith(".py") or "/" in target or target in {".", ".."}:
         if not path.is_absolute():
             path = (base_dir or Path.cwd()) / path
         if path.is_dir():

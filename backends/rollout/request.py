@@ -62,10 +62,7 @@ class RolloutRequest(BaseModel):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value: Any) -> Any:
-        try:
-            return check_messages(value, "prompt")
-        except TypeError as exc:  # pydantic reports ValueError as a validation error
-            raise ValueError(str(exc)) from None
+        return check_messages(value, "prompt")
 
     @field_validator("agent_timeout_sec", "grader_timeout_sec")
     @classmethod

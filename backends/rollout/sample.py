@@ -12,17 +12,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MessageDict = dict[str, Any]
 
 
+class MessageFormatError(TypeError, ValueError):
+    """Messages are not a list of dicts with a role (a ValueError too, so pydantic reports it)."""
+
+
 def check_messages(messages: Any, what: str = "messages") -> list[MessageDict]:
-    """Return ``messages`` as a list of dicts, or raise ``TypeError`` naming what is wrong."""
+    """Return ``messages`` as a list of dicts, or raise ``MessageFormatError`` naming the problem."""
     if not isinstance(messages, list | tuple):
-        raise TypeError(f"{what} must be a list of message dicts, got {type(messages).__name__}")
+        raise MessageFormatError(
+            f"{what} must be a list of message dicts, got {type(messages).__name__}"
+        )
     out: list[MessageDict] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise TypeError(f"{what}[{i}] must be a dict, got {type(message).__name__}")
+            raise MessageFormatError(f"{what}[{i}] must be a dict, got {type(message).__name__}")
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise TypeError(f"{what}[{i}] has no 'role' string")
+            raise MessageFormatError(f"{what}[{i}] has no 'role' string")
         out.append(dict(message))
     return out
 
