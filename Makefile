@@ -1,0 +1,35 @@
+# Two commands on a fresh machine of this kind (Debian 12, root, Python 3.12 via pyenv):
+#   make run    runs the main job on the embedded defaults (local sandbox, scripted policy)
+#   make test   runs the test suite
+# Both set the machine up first (apt packages, the Python env); that step is cached.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	      bubblewrap debootstrap socat tmux procps; }
+	@test -x $(PY) || python3.12 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
+	@touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/backends run
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff format --check backends tests tasks
+	$(VENV)/bin/ruff check backends tests tasks
+	$(VENV)/bin/mypy
+
+bench: setup
+	for bench in tests/benchmarks/bench_*.py; do $(PY) $$bench || exit 1; done
