@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from backends.relay import Relay
+from backends.relayed import TRACE_FIELD, RelayedBackend
 from backends.rollout.backend import ExecutionBackend
 from backends.rollout.batch import run_batch
 from backends.rollout.dataset import DatasetError, requests_from_dataset
@@ -93,16 +95,19 @@ async def _run(
         agent_timeout_sec=agent_timeout,
         grader_timeout_sec=grader_timeout,
     )
-    async with _policy(policy_url) as (base_url, scripted):
-        for request in requests:
-            request.chat_completions_url = base_url.rstrip("/") + "/chat/completions"
-            request.api_key = policy_key
+    # Every policy call goes through the relay, which holds the endpoint's key and records
+    # each call (token ids and logprobs included) against its rollout.
+    async with (
+        _policy(policy_url) as (base_url, scripted),
+        Relay(upstream_url=base_url, upstream_api_key=policy_key) as relay,
+    ):
         label = "scripted policy (no model)" if scripted else base_url
         console.print(f"[bold]{len(requests)}[/] rollouts from {dataset} against {label}")
+        relayed = RelayedBackend(backend, relay)
         results: list[RolloutResult] = []
         sink = output.open("w", encoding="utf-8") if output else None
         try:
-            async with run_batch(backend, requests, max_in_flight=max_in_flight) as stream:
+            async with run_batch(relayed, requests, max_in_flight=max_in_flight) as stream:
                 async for result in stream:
                     results.append(result)
                     if sink:
@@ -140,9 +145,13 @@ class _policy:
 def _report(results: list[RolloutResult], scripted: bool) -> None:
     results.sort(key=lambda r: r.rollout_id)
     table = Table(title="rollouts" + (" (policy answers are scripted)" if scripted else ""))
-    for column in ("rollout", "status", "reward", "answer", "failure"):
+    for column in ("rollout", "status", "reward", "policy calls", "answer", "failure"):
         table.add_column(column)
+    calls = 0
     for result in results:
+        trace = result.extra_fields.get(TRACE_FIELD) or {}
+        n_calls = len(trace.get("calls", []))
+        calls += n_calls
         answer = ""
         if result.sample and result.sample.messages:
             answer = str(result.sample.messages[-1].get("content") or "")[:40]
@@ -150,7 +159,7 @@ def _report(results: list[RolloutResult], scripted: bool) -> None:
             f"{result.failure.category}: {result.failure.message[:60]}" if result.failure else ""
         )
         reward = "-" if result.reward is None else f"{result.reward:g}"
-        table.add_row(result.rollout_id, result.status, reward, answer, failure)
+        table.add_row(result.rollout_id, result.status, reward, str(n_calls), answer, failure)
     console.print(table)
     rewards = [r.reward for r in results if r.reward is not None]
     failures = Counter(str(r.failure.category) for r in results if r.failure)
@@ -162,6 +171,7 @@ def _report(results: list[RolloutResult], scripted: bool) -> None:
                 "graded": len(rewards),
                 "mean_reward": round(mean, 4) if rewards else None,
                 "failures": dict(failures),
+                "policy_calls": calls,
             }
         )
     )

@@ -1,0 +1,3 @@
+from backends.cli import main
+
+main()

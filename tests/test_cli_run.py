@@ -1,0 +1,50 @@
+"""End to end through the command line, the way a user runs the main job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BACKENDS = [sys.executable, "-m", "backends.cli"]
+
+
+def run_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BACKENDS_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run(
+        [*BACKENDS, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    proc = run_cli("run", "-o", str(out), home=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "scripted" in proc.stdout
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    dataset_rows = len((REPO / "tasks/data/arithmetic.jsonl").read_text().splitlines())
+    assert summary["rollouts"] == dataset_rows
+    assert summary["mean_reward"] == 1.0  # the scripted policy computes arithmetic exactly
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == dataset_rows
+    assert all(r["status"] == "success" and r["sample"]["reward"] == 1.0 for r in results)
+    # Each rollout's artifacts landed in its own directory under BACKENDS_HOME.
+    replies = list((tmp_path / "rollouts").glob("row-*/artifacts/reply.txt"))
+    assert len(replies) == dataset_rows
+
+
+def test_unknown_entrypoint_is_named(tmp_path: Path) -> None:
+    proc = run_cli("run", "tasks/rollouts/arithmetic/main.py:nothing_here", home=tmp_path)
+    assert proc.returncode == 2
+    assert "nothing_here" in proc.stderr
+
+
+def test_malformed_dataset_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"user_prompt": "ok", "ground_truth": "1"}\n{broken\n')
+    proc = run_cli("run", "-d", str(bad), home=tmp_path)
+    assert proc.returncode == 2
+    assert "bad.jsonl:2: not valid JSON" in proc.stderr

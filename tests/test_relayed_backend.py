@@ -1,0 +1,149 @@
+"""RelayedBackend: the agent sees only its rollout's relay route; traces and blame come back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+
+from backends import (
+    AgentWorkflow,
+    AgentWorkflowContext,
+    ErrorCategory,
+    Grader,
+    GraderContext,
+    LocalBackend,
+    RolloutRequest,
+    RolloutStatus,
+    get_rollout_context,
+)
+from backends.relay import Relay
+from backends.relayed import TRACE_FIELD, RelayedBackend
+
+pytestmark = pytest.mark.anyio
+
+UPSTREAM_KEY = "sk-upstream-secret-0123456789"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[str]:
+    """A tiny OpenAI-compatible upstream: answers "42", or 502 when asked to fail."""
+
+    async def chat(request: web.Request) -> web.Response:
+        assert request.headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
+        body = await request.json()
+        if "fail" in body["messages"][-1]["content"]:
+            return web.json_response({"error": {"message": "overloaded"}}, status=502)
+        return web.json_response(
+            {
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "42"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
+SEEN: dict[str, Any] = {}
+
+
+class Ask(AgentWorkflow[Any]):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
+        rollout = get_rollout_context()
+        assert rollout is not None
+        SEEN["url"], SEEN["key"] = rollout.base_url, rollout.api_key
+        client = AsyncOpenAI(base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0)
+        try:
+            reply = await client.chat.completions.create(model="policy", messages=ctx.prompt)
+        except Exception as exc:
+            raise RuntimeError("my agent could not continue") from exc
+        finally:
+            await client.close()
+        return [*ctx.prompt, reply.choices[0].message.model_dump(exclude_none=True)]
+
+
+class Exact(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        assert ctx.sample is not None
+        ctx.set_reward(float(ctx.sample.messages[-1]["content"] == ctx.label))
+
+
+def request(rid: str, question: str, upstream: str) -> RolloutRequest:
+    return RolloutRequest(
+        rollout_id=rid,
+        prompt=[{"role": "user", "content": question}],
+        label="42",
+        chat_completions_url=upstream + "/chat/completions",
+        api_key=UPSTREAM_KEY,
+    )
+
+
+async def test_agent_sees_only_its_route_and_the_trace_comes_back(
+    upstream: str, tmp_path: Path
+) -> None:
+    backend = LocalBackend(workflow=Ask, grader=Exact, artifacts_root=tmp_path)
+    async with Relay() as relay:
+        relayed = RelayedBackend(backend, relay)
+        result = await relayed.execute(request("r1", "6 * 7?", upstream))
+        assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0
+        assert SEEN["url"].startswith(relay.base_url) and "/rollouts/r1/" in SEEN["url"] + "/"
+        assert UPSTREAM_KEY not in json.dumps(SEEN)
+        trace = result.extra_fields[TRACE_FIELD]
+        assert [c["upstream_status"] for c in trace["calls"]] == [200]
+        assert trace["calls"][0]["usage"]["completion_tokens"] == 1
+        # The token died with the rollout.
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                SEEN["url"] + "/chat/completions",
+                headers={"Authorization": f"Bearer {SEEN['key']}"},
+                json={"model": "policy", "messages": [{"role": "user", "content": "again"}]},
+            ) as response:
+                assert response.status in (401, 403)
+
+
+async def test_a_failing_policy_is_blamed_not_the_agent(upstream: str, tmp_path: Path) -> None:
+    backend = LocalBackend(workflow=Ask, grader=Exact, artifacts_root=tmp_path)
+    async with Relay() as relay:
+        result = await RelayedBackend(backend, relay).execute(request("r2", "fail", upstream))
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.POLICY_ERROR
+    assert (
+        "502" in result.failure.message and "my agent could not continue" in result.failure.message
+    )
+    assert result.reward is None
+
+
+async def test_no_upstream_anywhere_is_a_clear_error(tmp_path: Path) -> None:
+    backend = LocalBackend(workflow=Ask, grader=Exact, artifacts_root=tmp_path)
+    async with Relay() as relay:
+        bare = RolloutRequest(rollout_id="r3", prompt=[{"role": "user", "content": "q"}], label="1")
+        result = await RelayedBackend(backend, relay).execute(bare)
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.VALIDATION_ERROR
+    assert "upstream" in result.failure.message
