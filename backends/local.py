@@ -35,6 +35,7 @@ from backends.rollout.workflow import AgentWorkflow, Grader
 class _InFlight:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     status: RolloutStatus = RolloutStatus.QUEUED
+    context: RolloutContext | None = None  # set while the workflow runs, for live previews
 
 
 class LocalBackend:
@@ -122,6 +123,11 @@ class LocalBackend:
             )
         return dispositions
 
+    def rollout_context(self, rollout_id: str) -> RolloutContext | None:
+        """The live context of a running workflow (its sample source), else ``None``."""
+        entry = self._in_flight.get(rollout_id)
+        return entry.context if entry else None
+
     def health(self) -> dict[str, Any]:
         running = sum(1 for e in self._in_flight.values() if e.status is not RolloutStatus.QUEUED)
         return {
@@ -207,6 +213,9 @@ class LocalBackend:
             api_key=request.api_key,
             rollout_id=request.rollout_id,
         ) as rollout_context:
+            entry = self._in_flight.get(request.rollout_id)
+            if entry is not None:
+                entry.context = rollout_context
             output = await workflow.run(ctx)
             return await sample_from_output(output, rollout_context)
 

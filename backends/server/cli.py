@@ -1,0 +1,112 @@
+"""``backends serve ENTRYPOINT``: run a rollout server under uvicorn, draining on SIGTERM.
+
+The entrypoint names either an app (``main.py:app``, made by ``create_rollout_server``) or a
+backend (``main.py:backend``), which is wrapped with the options given here. The first
+SIGTERM or Ctrl-C drains: new rollouts get 503, rollouts in flight finish (or are cancelled
+after the drain timeout), clients get a moment to collect results, then the process exits.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from backends.rollout.loading import load_object
+from backends.server.app import RolloutServer, create_rollout_server
+
+log = logging.getLogger(__name__)
+
+
+def serve_command(
+    entrypoint: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    state_file: Path | None = None,
+    api_key: str | None = None,
+    artifacts_root: Path | None = None,
+    preview_root: Path | None = None,
+    drain_timeout_sec: float | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load ``entrypoint`` and serve it until a signal drains it."""
+    app = load_app(
+        entrypoint,
+        state_file=state_file,
+        api_key=api_key,
+        artifacts_root=artifacts_root,
+        preview_root=preview_root,
+        drain_timeout_sec=drain_timeout_sec,
+    )
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve(app, host=host, port=port, log_level=log_level)
+
+
+def load_app(entrypoint: str, **options: Any) -> Any:
+    """The ASGI app an entrypoint names; a backend is wrapped in ``create_rollout_server``.
+
+    Options left ``None`` are not passed. Options given with an entrypoint that already is an
+    app raise ``ValueError``: that app was built with its own settings.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    obj = load_object(entrypoint)
+    if isinstance(obj, RolloutServer) or (callable(obj) and not hasattr(obj, "execute")):
+        if given:
+            raise ValueError(
+                f"{entrypoint} is an app created with its own settings, so "
+                f"{', '.join('--' + k.replace('_', '-') for k in given)} cannot apply; "
+                "name the backend instead (e.g. main.py:backend)"
+            )
+        return obj
+    if hasattr(obj, "execute"):
+        return create_rollout_server(backend=obj, **given)
+    raise ValueError(f"{entrypoint} is neither an ASGI app nor an execution backend: {obj!r}")
+
+
+def serve(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=log_level,
+        backlog=4096,
+        timeout_graceful_shutdown=10,
+    )
+    _DrainingServer(config, app if isinstance(app, RolloutServer) else None).run()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first signal drains the rollout server before stopping HTTP:
+    trainers keep polling results while rollouts in flight finish."""
+
+    def __init__(self, config: uvicorn.Config, app: RolloutServer | None) -> None:
+        super().__init__(config)
+        self._app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
+        if app is not None:
+            app.add_drain_listener(self._stop)
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._app is not None and not self._signalled and self._loop is not None:
+            self._signalled = True
+            log.info("signal %s: draining (a second signal stops at once)", sig)
+            self._loop.call_soon_threadsafe(self._app.request_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _stop(self) -> None:
+        self.should_exit = True
