@@ -1,0 +1,434 @@
+"""The relay's ASGI app: check the rollout's token, forward to its upstream, record the call.
+
+A raw ASGI callable rather than a framework: two routes do not need a router, and every
+microsecond here is added to every policy call of every rollout. The hot path appends bytes and
+clock readings to the rollout's call list; parsing them into a trace happens when it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from backends.relay.http1 import (
+    ConnectionPool,
+    Response,
+    Target,
+    UpstreamConnectError,
+    UpstreamDisconnectedError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from backends.relay.tokens import Registry, RolloutState
+from backends.relay.trace import CallError, RawCall
+from backends.relay.upstream import RelaySettings, Upstream, error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+CHAT = "v1/chat/completions"
+MODELS = "v1/models"
+_PREFIX = "/rollouts/"
+_JSON = [(b"content-type", b"application/json")]
+# Not forwarded back to the client: hop-by-hop, or recomputed by our server.
+_DROP_RESPONSE = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"proxy-authenticate"}
+)
+# Client headers worth passing upstream; everything else (the sandbox's credentials above all)
+# stays here.
+_FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"user-agent"})
+
+
+class RelayApp:
+    """ASGI app serving ``/rollouts/{rollout_id}/v1/{chat/completions,models}``."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        settings: RelaySettings,
+        admin: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.pool = ConnectionPool(
+            connect_timeout=settings.connect_timeout_s,
+            keepalive_timeout=settings.keepalive_timeout_s,
+        )
+        self._admin = admin
+        self._version_header = settings.policy_version_header.lower().encode()
+        self._session_header = (
+            settings.session_header.encode() if settings.session_header is not None else None
+        )
+
+    def close(self) -> None:
+        """Close pooled upstream connections."""
+        self.pool.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        path: str = scope["path"]
+        if path.startswith(_PREFIX):
+            await self._rollout_call(scope, receive, send, path)
+        elif path == "/health":
+            await _reply(send, 200, b'{"status":"ok"}')
+        elif self._admin is not None and path.startswith("/admin/"):
+            await self._admin(scope, receive, send)
+        else:
+            await _reply_error(
+                send, 404, f"no route {path}: use /rollouts/<id>/v1/...", "not_found"
+            )
+
+    async def _rollout_call(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        rollout_id, _, route = path[len(_PREFIX) :].partition("/")
+        method: str = scope["method"]
+        if route == CHAT:
+            if method != "POST":
+                return await _reply_error(
+                    send, 405, f"{method} not allowed: use POST", "bad_method"
+                )
+        elif route == MODELS:
+            if method != "GET":
+                return await _reply_error(send, 405, f"{method} not allowed: use GET", "bad_method")
+        else:
+            return await _reply_error(
+                send,
+                404,
+                f"/{route} is not relayed: use /v1/chat/completions or /v1/models",
+                "not_found",
+            )
+
+        token = b""
+        length = -1
+        retry = False
+        forward = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                token = value[7:] if value[:7].lower() == b"bearer " else value
+            elif name == b"x-api-key" and not token:
+                token = value
+            elif name == b"content-length":
+                length = int(value) if value.isdigit() else -1
+            elif name == b"x-stainless-retry-count":
+                retry = value != b"0"
+            elif name in _FORWARD_REQUEST:
+                forward += name + b": " + value + b"\r\n"
+
+        state = self.registry.live.get(rollout_id)
+        if state is None:
+            if self.registry.has_ended(rollout_id):
+                return await _reply_error(
+                    send,
+                    403,
+                    f"rollout {rollout_id!r} has ended; its token is revoked",
+                    "rollout_ended",
+                    "authentication_error",
+                )
+            return await _reply_error(
+                send,
+                404,
+                f"no rollout {rollout_id!r} is registered with this relay",
+                "unknown_rollout",
+            )
+        if not token:
+            return await _reply_error(
+                send,
+                401,
+                "missing token: send 'Authorization: Bearer <rollout token>'",
+                "missing_token",
+                "authentication_error",
+            )
+        if not hmac.compare_digest(token, state.token):
+            return await _reply_error(
+                send,
+                403,
+                f"this token is not valid for rollout {rollout_id!r}",
+                "invalid_token",
+                "authentication_error",
+            )
+
+        limit = self.settings.max_request_bytes
+        if length > limit:
+            return await _too_large(send, length, limit)
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await _too_large(send, len(body), limit)
+
+        if route == MODELS:
+            call = _record(state, "GET", "/models", body, None, False, retry)
+            await self._forward(state, send, call, b"GET", state.upstream.models, forward, b"")
+            return
+        try:
+            request = json.loads(body)
+        except ValueError as exc:  # UnicodeDecodeError is a ValueError too
+            return await _reply_error(
+                send,
+                400,
+                f"request body is not valid JSON: {exc}",
+                "invalid_json",
+            )
+        if not isinstance(request, dict):
+            return await _reply_error(
+                send, 400, "request body must be a JSON object", "invalid_json"
+            )
+        stream = request.get("stream") is True
+        upstream_body = body
+        if self.settings.request_token_ids:
+            request.update(self.settings.token_request_fields)
+            upstream_body = json.dumps(request, separators=(",", ":")).encode()
+        if b"content-type" not in forward:
+            forward += b"content-type: application/json\r\n"
+        call = _record(state, "POST", "/chat/completions", body, request, stream, retry)
+        await self._forward(state, send, call, b"POST", state.upstream.chat, forward, upstream_body)
+
+    async def _forward(
+        self,
+        state: RolloutState,
+        send: Send,
+        call: RawCall,
+        method: bytes,
+        target: Target,
+        headers: bytes,
+        body: bytes,
+    ) -> None:
+        generation = call.generation
+        upstream = state.upstream
+        settings = self.settings
+        headers += upstream.auth_line()
+        if self._session_header is not None:
+            headers += self._session_header + b": " + state.rollout_id.encode() + b"\r\n"
+        stream = call.stream
+        timeout = settings.stream_idle_timeout_s if stream else settings.response_timeout_s
+
+        response = None
+        attempts = settings.connect_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                response = await self.pool.request(target, method, headers, body, timeout)
+                break
+            except (UpstreamConnectError, UpstreamDisconnectedError) as exc:
+                # Retry only what the upstream cannot have acted on: no connection at all, or
+                # a pooled connection it had already closed. Anything else is the caller's call.
+                unseen = isinstance(exc, UpstreamConnectError) or exc.stale
+                if not unseen or attempt == attempts:
+                    return await _fail(
+                        send, call, generation, CallError.CONNECTION, _describe(exc, upstream)
+                    )
+                if isinstance(exc, UpstreamConnectError):
+                    await asyncio.sleep(0.05 * attempt)
+            except UpstreamTimeoutError as exc:
+                return await _fail(
+                    send, call, generation, CallError.TIMEOUT, _describe(exc, upstream)
+                )
+            except UpstreamError as exc:
+                return await _fail(
+                    send, call, generation, CallError.CONNECTION, _describe(exc, upstream)
+                )
+        assert response is not None
+
+        try:
+            status = response.status
+            out_headers, version = self._response_headers(response.headers)
+            if version is not None and call.generation == generation:
+                call.policy_version = version
+            if status in (401, 403):
+                # The upstream refused the relay's own key: the sandbox cannot fix that, and the
+                # upstream's error text may quote the key.
+                response.release()
+                call.upstream_status = status
+                return await _fail(
+                    send,
+                    call,
+                    generation,
+                    None,
+                    f"the policy upstream refused the relay's credentials (HTTP {status})",
+                    http_status=502,
+                    code="upstream_auth_rejected",
+                )
+            if stream:
+                await self._pass_stream(response, send, call, generation, out_headers, upstream)
+                return
+            payload = await response.read(settings.response_timeout_s)
+            ttfb = time.perf_counter() - call.t0
+            if status >= 400:
+                payload = upstream.scrub(payload)
+            out_headers.append((b"content-length", str(len(payload)).encode()))
+            await send({"type": "http.response.start", "status": status, "headers": out_headers})
+            await send({"type": "http.response.body", "body": payload})
+            if call.generation == generation:
+                call.response_body = payload
+                call.upstream_status = call.status = status
+                call.ttfb_s = ttfb
+                call.latency_s = time.perf_counter() - call.t0
+                call.done = True
+        except UpstreamTimeoutError as exc:
+            await _fail(send, call, generation, CallError.TIMEOUT, _describe(exc, upstream))
+        except UpstreamError as exc:
+            await _fail(send, call, generation, CallError.CONNECTION, _describe(exc, upstream))
+        finally:
+            response.release()
+
+    async def _pass_stream(
+        self,
+        response: Response,
+        send: Send,
+        call: RawCall,
+        generation: int,
+        headers: list[tuple[bytes, bytes]],
+        upstream: Upstream,
+    ) -> None:
+        status = response.status
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if call.generation == generation:
+            call.upstream_status = status
+        chunks = call.chunks
+        first = True
+        try:
+            async for chunk in response.chunks(self.settings.stream_idle_timeout_s):
+                if first:
+                    first = False
+                    if call.generation == generation:
+                        call.ttfb_s = time.perf_counter() - call.t0
+                if status >= 400:
+                    chunk = upstream.scrub(chunk)
+                if call.generation == generation:
+                    chunks.append(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            # Headers are gone already: tell the client in-band, as an SSE error event that
+            # OpenAI clients raise as an API error, and close the stream.
+            kind = CallError.TIMEOUT if isinstance(exc, TimeoutError) else CallError.CONNECTION
+            text = _describe(exc, upstream)
+            event = b"data: " + error_body(text, f"upstream_{kind.value}") + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            if call.generation == generation:
+                call.status = status
+                call.error, call.error_message = kind, text
+                call.latency_s = time.perf_counter() - call.t0
+                call.done = True
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if call.generation == generation:
+            call.status = status
+            call.latency_s = time.perf_counter() - call.t0
+            call.done = True
+
+    def _response_headers(
+        self, raw: list[tuple[bytes, bytes]]
+    ) -> tuple[list[tuple[bytes, bytes]], str | None]:
+        headers = []
+        version = None
+        for name, value in raw:
+            if name in _DROP_RESPONSE:
+                continue
+            if name == self._version_header:
+                version = value.decode("latin-1")
+            headers.append((name, value))
+        return headers, version
+
+
+def _record(
+    state: RolloutState,
+    method: str,
+    path: str,
+    body: bytes,
+    request: dict[str, Any] | None,
+    stream: bool,
+    retry: bool,
+) -> RawCall:
+    calls = state.calls
+    if retry:
+        # An SDK retry resends the same bytes: fold it into the earlier attempt's record so the
+        # trace holds one call, the outcome the client finally got.
+        for previous in reversed(calls):
+            if previous.request_body == body and previous.path == path:
+                previous.generation += 1
+                previous.attempts += 1
+                previous.t0 = time.perf_counter()
+                previous.done = False
+                previous.status = previous.upstream_status = None
+                previous.error = previous.error_message = None
+                previous.response_body = None
+                previous.chunks = []
+                previous.ttfb_s = previous.latency_s = None
+                return previous
+    call = RawCall(
+        index=len(calls),
+        method=method,
+        path=path,
+        started_at=time.time(),
+        t0=time.perf_counter(),
+        request_body=body,
+        request=request,
+        stream=stream,
+        policy_version=state.policy_version,
+    )
+    calls.append(call)
+    return call
+
+
+async def _fail(
+    send: Send,
+    call: RawCall,
+    generation: int,
+    error: CallError | None,
+    message: str,
+    *,
+    http_status: int | None = None,
+    code: str | None = None,
+) -> None:
+    if http_status is None:
+        http_status = 504 if error is CallError.TIMEOUT else 502
+    if code is None:
+        code = "upstream_timeout" if error is CallError.TIMEOUT else "upstream_unreachable"
+    await _reply(send, http_status, error_body(message, code))
+    if call.generation == generation:
+        call.status = http_status
+        call.error = error
+        call.error_message = message
+        call.latency_s = time.perf_counter() - call.t0
+        call.done = True
+
+
+def _describe(exc: BaseException, upstream: Upstream) -> str:
+    return f"policy upstream {upstream.base_url}: {exc}"
+
+
+async def _too_large(send: Send, size: int, limit: int) -> None:
+    await _reply(
+        send,
+        413,
+        error_body(
+            f"request body of {size} bytes exceeds the relay's limit of {limit} bytes",
+            "request_too_large",
+            "invalid_request_error",
+        ),
+        close=True,
+    )
+
+
+async def _reply_error(
+    send: Send, status: int, message: str, code: str, kind: str = "invalid_request_error"
+) -> None:
+    await _reply(send, status, error_body(message, code, kind))
+
+
+async def _reply(send: Send, status: int, body: bytes, *, close: bool = False) -> None:
+    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,172 @@
+"""Serve an ASGI app on a TCP port and, optionally, a Unix socket, inside the caller's task group.
+
+uvicorn (httptools parser, no framework) does the HTTP work. We bind the sockets ourselves so
+that port 0 resolves to a real port before the first request, and so one server answers on both
+the TCP address and the Unix socket that sandboxes reach through a bind mount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import uvicorn
+
+# Sandboxes run as a mapped uid that is not the host user: the socket must be connectable by
+# anyone who can reach the path. Access is still guarded by the per-rollout token.
+UNIX_SOCKET_MODE = 0o666
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Where a started server answers."""
+
+    host: str
+    port: int
+    unix_socket_path: Path | None
+
+    @property
+    def origin(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that lives inside someone else's event loop and task group.
+
+    It leaves signal handling to the host process (an embedded relay must not swallow Ctrl-C)
+    and waits on an event instead of polling every 100 ms, so it stops as soon as asked.
+    """
+
+    def __init__(self, config: uvicorn.Config, *, embedded: bool) -> None:
+        super().__init__(config)
+        self._embedded = embedded
+        self._exit_requested = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if self._embedded:
+            yield
+            return
+        with super().capture_signals():
+            yield
+
+    async def main_loop(self) -> None:
+        if self._embedded:
+            await self._exit_requested.wait()
+        else:
+            await super().main_loop()
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+        self._exit_requested.set()
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """Bind a Unix socket at ``path``, replacing a stale socket file left by a dead process.
+
+    Raises ``FileExistsError`` if ``path`` exists and is not a socket (never delete user data).
+    """
+    if path.exists() or path.is_symlink():
+        if not path.is_socket():
+            raise FileExistsError(f"{path} exists and is not a Unix socket; refusing to replace it")
+        path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        os.chmod(path, UNIX_SOCKET_MODE)
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    unix_socket_path: Path | None = None,
+    embedded: bool = True,
+    access_log: bool = False,
+    graceful_shutdown_s: int = 5,
+) -> AsyncIterator[Listening]:
+    """Serve ``app`` until the block exits; yield where it listens.
+
+    Raises ``OSError`` if the port or socket path cannot be bound. Needs the asyncio backend
+    (uvicorn is asyncio-only). On exit the server stops accepting, lets in-flight requests
+    finish for up to ``graceful_shutdown_s`` and then cancels them; the Unix socket file is
+    removed.
+    """
+    sockets = [bind_tcp(host, port)]
+    bound_port = sockets[0].getsockname()[1]
+    try:
+        if unix_socket_path is not None:
+            sockets.append(bind_unix(unix_socket_path))
+        config = uvicorn.Config(
+            app,
+            http="httptools",
+            lifespan="off",
+            access_log=access_log,
+            log_level="warning",
+            server_header=False,
+            date_header=False,
+            timeout_graceful_shutdown=graceful_shutdown_s,
+            # An agent's next policy call may come many seconds after the last one.
+            timeout_keep_alive=75,
+            proxy_headers=False,  # the relay trusts no forwarding headers; skip the middleware
+        )
+        server = _EmbeddedServer(config, embedded=embedded)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_run, server, sockets)
+            while not server.started:
+                if server.should_exit:
+                    raise RuntimeError("the relay's HTTP server stopped during startup")
+                await anyio.sleep(0.001)
+            try:
+                yield Listening(host, bound_port, unix_socket_path)
+            finally:
+                server.request_exit()
+    finally:
+        for sock in sockets:
+            sock.close()
+        if unix_socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(unix_socket_path)
+
+
+async def _run(server: _EmbeddedServer, sockets: list[socket.socket]) -> None:
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        # Cancelled from outside: still close the listeners and drop connections, promptly.
+        if not server.should_exit:
+            server.force_exit = True
+            server.request_exit()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                await server.shutdown(sockets=sockets)

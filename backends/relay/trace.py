@@ -1,0 +1,361 @@
+"""What the relay records about a rollout's policy calls, and how a trace is read.
+
+The hot path only appends a ``RawCall`` (bytes and timings). Parsing, reassembling streamed
+responses and extracting token ids and logprobs happen here, once, when the trace is read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class CallError(StrEnum):
+    """Why a call got no normal answer from the upstream."""
+
+    TIMEOUT = "timeout"  # the upstream did not answer (or stopped streaming) in time
+    CONNECTION = "connection"  # the upstream could not be reached, or dropped the connection
+    INTERRUPTED = "interrupted"  # the call was still running when the trace was read
+
+
+# Upstream statuses that mean "the policy failed", not "the agent asked for something wrong":
+# server faults, overload, and the upstream refusing the relay's own credentials.
+_POLICY_STATUSES = frozenset({401, 403, 429})
+
+
+class ChoiceRecord(BaseModel):
+    """One choice of a completion: the assistant message and what the upstream said about it."""
+
+    index: int
+    message: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None  # sampled token ids, exactly as the upstream sent them
+    logprobs: list[float] | None = None  # one per sampled token, when the upstream sent them
+    logprob_tokens: list[str] | None = None  # the token strings the logprobs belong to
+
+
+class CallRecord(BaseModel):
+    """One policy call as the relay saw it. A client retry of the same request shares a record."""
+
+    index: int
+    method: str
+    path: str  # relative to the rollout's base URL, e.g. "/chat/completions"
+    started_at: float  # unix time the request reached the relay
+    latency_s: float | None = None  # until the last byte was sent back (None: never finished)
+    ttfb_s: float | None = None  # until the upstream's first body bytes arrived
+    status: int | None = None  # what the client got
+    upstream_status: int | None = None  # what the upstream answered (None: no answer)
+    error: CallError | None = None
+    error_message: str | None = None
+    stream: bool = False
+    attempts: int = 1  # > 1 when client retries of the same request were folded in
+    request: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None  # a streamed response is reassembled into this shape
+    model: str | None = None
+    usage: dict[str, Any] | None = None
+    choices: list[ChoiceRecord] = Field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+    policy_version: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason if self.choices else None
+
+    @property
+    def completion_token_ids(self) -> list[int] | None:
+        return self.choices[0].token_ids if self.choices else None
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.choices[0].logprobs if self.choices else None
+
+    @property
+    def scripted(self) -> bool:
+        """Answered by the embedded scripted policy, not a model."""
+        return bool(self.model and self.model.startswith("scripted:"))
+
+    @property
+    def is_policy_failure(self) -> bool:
+        """The policy, not the agent, is why this call has no answer."""
+        if self.error in (CallError.TIMEOUT, CallError.CONNECTION):
+            return True
+        status = self.upstream_status
+        return status is not None and (status >= 500 or status in _POLICY_STATUSES)
+
+
+class PolicyFailure(BaseModel):
+    """Why a rollout's policy failed, for a result's error message."""
+
+    call_index: int
+    upstream_status: int | None
+    error: CallError | None
+    message: str
+
+
+class RolloutTrace(BaseModel):
+    """Every policy call of one rollout, in the order the requests arrived."""
+
+    rollout_id: str
+    registered_at: float
+    ended_at: float | None = None
+    calls: list[CallRecord] = Field(default_factory=list)
+
+    def policy_failure(self) -> PolicyFailure | None:
+        """The latest call whose final outcome was a policy failure, or None.
+
+        A backend whose rollout failed calls this to label the failure "policy_error" (the model
+        endpoint answered 5xx, 429, refused the relay's key, timed out or was unreachable)
+        rather than "agent_error". Retries the client made of the same request are folded into
+        one record, so a call that failed once and then succeeded is not a failure.
+        """
+        for call in reversed(self.calls):
+            if call.is_policy_failure:
+                return PolicyFailure(
+                    call_index=call.index,
+                    upstream_status=call.upstream_status,
+                    error=call.error,
+                    message=_failure_message(call),
+                )
+        return None
+
+    @property
+    def scripted(self) -> bool:
+        """Every answered call came from the scripted policy (label results accordingly)."""
+        answered = [c for c in self.calls if c.model is not None]
+        return bool(answered) and all(c.scripted for c in answered)
+
+
+def policy_failure(trace: RolloutTrace) -> PolicyFailure | None:
+    """Function form of ``RolloutTrace.policy_failure``."""
+    return trace.policy_failure()
+
+
+def _failure_message(call: CallRecord) -> str:
+    where = f"policy call {call.index} ({call.method} {call.path})"
+    if call.error is not None:
+        return f"{where}: {call.error.value}: {call.error_message or 'no detail'}"
+    return f"{where}: upstream answered HTTP {call.upstream_status}"
+
+
+@dataclass(slots=True, eq=False)
+class RawCall:
+    """The hot path's record of a call: bytes and clock readings, parsed only when read."""
+
+    index: int
+    method: str
+    path: str
+    started_at: float
+    t0: float  # perf_counter at arrival
+    request_body: bytes
+    request: dict[str, Any] | None
+    stream: bool
+    policy_version: str | None
+    attempts: int = 1
+    generation: int = 0  # bumped by a folded retry; a superseded attempt stops writing
+    done: bool = False
+    latency_s: float | None = None
+    ttfb_s: float | None = None
+    status: int | None = None
+    upstream_status: int | None = None
+    error: CallError | None = None
+    error_message: str | None = None
+    response_body: bytes | None = None
+    chunks: list[bytes] = field(default_factory=list)
+
+
+def build_trace(
+    rollout_id: str, registered_at: float, calls: list[RawCall], *, ended: bool
+) -> RolloutTrace:
+    return RolloutTrace(
+        rollout_id=rollout_id,
+        registered_at=registered_at,
+        ended_at=time.time() if ended else None,
+        calls=[build_call(raw) for raw in calls],
+    )
+
+
+def build_call(raw: RawCall) -> CallRecord:
+    record = CallRecord(
+        index=raw.index,
+        method=raw.method,
+        path=raw.path,
+        started_at=raw.started_at,
+        latency_s=raw.latency_s,
+        ttfb_s=raw.ttfb_s,
+        status=raw.status,
+        upstream_status=raw.upstream_status,
+        error=raw.error,
+        error_message=raw.error_message,
+        stream=raw.stream,
+        attempts=raw.attempts,
+        request=raw.request,
+        policy_version=raw.policy_version,
+    )
+    if not raw.done:
+        record.error = CallError.INTERRUPTED
+        record.error_message = "the call was still in flight when the trace was read"
+    response: dict[str, Any] | None
+    if raw.chunks:
+        response = reassemble_stream(b"".join(raw.chunks))
+    elif raw.response_body:
+        response = _loads_object(raw.response_body)
+    else:
+        response = None
+    if response is None:
+        return record
+    record.response = response
+    if isinstance(response.get("model"), str):
+        record.model = response["model"]
+    if isinstance(response.get("usage"), dict):
+        record.usage = response["usage"]
+    prompt_ids = response.get("prompt_token_ids")
+    choices = response.get("choices")
+    if isinstance(choices, list):
+        record.choices = [_choice(c) for c in choices if isinstance(c, dict)]
+        if prompt_ids is None and choices and isinstance(choices[0], dict):
+            prompt_ids = choices[0].get("prompt_token_ids")  # some servers put it per choice
+    if _is_int_list(prompt_ids):
+        record.prompt_token_ids = prompt_ids
+    return record
+
+
+def _choice(raw: dict[str, Any]) -> ChoiceRecord:
+    message = raw.get("message")
+    choice = ChoiceRecord(
+        index=raw.get("index", 0) if isinstance(raw.get("index"), int) else 0,
+        message=message if isinstance(message, dict) else None,
+        finish_reason=raw.get("finish_reason")
+        if isinstance(raw.get("finish_reason"), str)
+        else None,
+    )
+    token_ids = raw.get("token_ids")
+    if _is_int_list(token_ids):
+        choice.token_ids = token_ids
+    content = (
+        (raw.get("logprobs") or {}).get("content")
+        if isinstance(raw.get("logprobs"), dict)
+        else None
+    )
+    if isinstance(content, list) and content:
+        entries = [e for e in content if isinstance(e, dict)]
+        logprobs = [e.get("logprob") for e in entries]
+        tokens = [e.get("token") for e in entries]
+        if all(isinstance(v, int | float) for v in logprobs):
+            choice.logprobs = [float(v) for v in logprobs if isinstance(v, int | float)]
+        if all(isinstance(t, str) for t in tokens):
+            choice.logprob_tokens = [t for t in tokens if isinstance(t, str)]
+            if choice.token_ids is None:
+                choice.token_ids = _ids_from_token_strings(choice.logprob_tokens)
+    return choice
+
+
+def _ids_from_token_strings(tokens: list[str]) -> list[int] | None:
+    # vLLM's --return-tokens-as-token-ids spells each logprob token "token_id:<id>".
+    ids = []
+    for token in tokens:
+        prefix, _, number = token.partition(":")
+        if prefix != "token_id" or not number.isdigit():
+            return None
+        ids.append(int(number))
+    return ids
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def _loads_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def reassemble_stream(body: bytes) -> dict[str, Any] | None:
+    """Rebuild a ``chat.completion`` object from the SSE chunks of a streamed one.
+
+    Text deltas are concatenated, tool-call deltas merged by index, per-token logprobs and token
+    ids appended in order; the usage chunk (if any) supplies usage. Returns None if no chunk
+    parses (e.g. the upstream answered an error).
+    """
+    merged: dict[str, Any] | None = None
+    choices: dict[int, dict[str, Any]] = {}
+    for event in body.replace(b"\r\n", b"\n").split(b"\n\n"):
+        data = b"\n".join(
+            line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+        )
+        if not data or data == b"[DONE]":
+            continue
+        chunk = _loads_object(data)
+        if chunk is None:
+            continue
+        if merged is None:
+            merged = {k: v for k, v in chunk.items() if k != "choices"}
+            merged["object"] = "chat.completion"
+        else:
+            for key, value in chunk.items():
+                if key not in ("choices", "object") and value is not None:
+                    merged[key] = value if key != "prompt_token_ids" else merged.get(key, value)
+        for delta_choice in chunk.get("choices") or []:
+            if isinstance(delta_choice, dict):
+                _merge_choice(choices, delta_choice)
+    if merged is None:
+        if body.lstrip().startswith(b"{"):
+            return _loads_object(body)  # an error answered as plain JSON
+        return None
+    merged["choices"] = [choices[i] for i in sorted(choices)]
+    return merged
+
+
+def _merge_choice(choices: dict[int, dict[str, Any]], part: dict[str, Any]) -> None:
+    index = part.get("index", 0)
+    choice = choices.setdefault(
+        index, {"index": index, "message": {"role": "assistant"}, "finish_reason": None}
+    )
+    message = choice["message"]
+    delta = part.get("delta") or {}
+    for key, value in delta.items():
+        if key == "tool_calls" and isinstance(value, list):
+            _merge_tool_calls(message.setdefault("tool_calls", []), value)
+        elif isinstance(value, str) and key != "role":
+            message[key] = message.get(key, "") + value
+        elif value is not None:
+            message[key] = value
+    if part.get("finish_reason") is not None:
+        choice["finish_reason"] = part["finish_reason"]
+    token_ids = part.get("token_ids")
+    if isinstance(token_ids, list):
+        choice.setdefault("token_ids", []).extend(token_ids)
+    if isinstance(part.get("prompt_token_ids"), list):
+        choice.setdefault("prompt_token_ids", part["prompt_token_ids"])
+    logprobs = part.get("logprobs")
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+        target = choice.setdefault("logprobs", {"content": []})
+        target["content"].extend(logprobs["content"])
+
+
+def _merge_tool_calls(calls: list[dict[str, Any]], deltas: list[Any]) -> None:
+    for delta in deltas:
+        if not isinstance(delta, dict):
+            continue
+        index = delta.get("index", len(calls))
+        while len(calls) <= index:
+            calls.append(
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+        call = calls[index]
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        if delta.get("type"):
+            call["type"] = delta["type"]
+        function = delta.get("function") or {}
+        if function.get("name"):
+            call["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            call["function"]["arguments"] += function["arguments"]
