@@ -1,18 +1,77 @@
-"""Rollout-scoped policy relay (placeholder docs; filled below)."""
+"""The rollout-scoped policy relay, and an embedded scripted policy.
 
+Every policy call of a rollout goes through the relay: the agent in its sandbox holds only a
+token valid for its own route (``/rollouts/{rollout_id}/v1``) while the rollout runs; the relay
+holds the upstream key, forwards to the upstream OpenAI-compatible server (vLLM, SGLang,
+OpenAI, ...) and records each call in the rollout's trace.
+
+Host side, in process::
+
+    async with Relay(upstream_url="http://gpu:8000/v1", upstream_api_key=key,
+                     request_token_ids=True, unix_socket_path=sock) as relay:
+        grant = relay.register(rollout_id)              # or with upstream_url=, upstream_api_key=,
+        ...                                             # policy_version= for this rollout only
+        agent_base_url = grant.base_url                 # http://127.0.0.1:<port>/rollouts/<id>/v1
+        agent_api_key = grant.token                     # never the upstream key
+        trace = relay.end(rollout_id)                   # token revoked; RolloutTrace returned
+        if (failure := trace.policy_failure()):         # upstream 5xx/429/timeout/unreachable
+            ...                                         # -> label the rollout "policy_error"
+
+Reaching the relay:
+    * host processes: ``grant.base_url`` (the TCP address, ``relay.base_url``);
+    * a local sandbox with no network: bind-mount ``relay.unix_socket_path`` into it and run a
+      forwarder there (``socat TCP-LISTEN:<port>,bind=127.0.0.1,fork UNIX-CONNECT:<socket>``);
+      the agent uses ``grant.url_at("http://127.0.0.1:<port>")``;
+    * a remote sandbox: ``Relay(advertised_url=...)`` and ``relay.remote_base_url(rollout_id)``.
+
+Errors, by what the caller gets:
+    * ``register``: ``ValueError`` (id already live, unusable in a URL, or no upstream known);
+    * ``end`` / ``trace``: ``UnknownRolloutError`` (a ``KeyError``) for an id that is not live;
+    * the agent's HTTP calls: 401 no token, 403 wrong token or rollout ended, 404 unknown
+      rollout or route, 400 malformed JSON, 413 body too large; 502 upstream unreachable or
+      refusing the relay's key, 504 upstream timeout (OpenAI-style error bodies, type
+      ``policy_error``); an upstream's own status passes through unchanged. A stream that
+      breaks after it started ends with an SSE ``error`` event.
+
+Retries: a request that never reached the upstream (no connection, a stale pooled connection)
+is retried by the relay; nothing else is. An SDK retry of the same request (same body,
+``x-stainless-retry-count`` > 0) is folded into the earlier call's record (``attempts``).
+
+Standalone: ``backends relay --upstream URL`` (``backends.relay.cli.relay_command``) serves the
+same app with an admin API (``RelayCore`` + ``admin_token``: ``POST /admin/rollouts``,
+``GET /admin/rollouts/{id}/trace``, ``DELETE /admin/rollouts/{id}``).
+
+Scripted policy (``backends.relay.scripted``): ``async with ScriptedPolicy(script) as policy``
+serves an OpenAI-compatible endpoint at ``policy.base_url`` that answers from a ``Script``; the
+shipped default script computes ``What is A * B`` style questions. Its answers carry the model
+``scripted:<name>`` (``CallRecord.scripted``, ``RolloutTrace.scripted``).
+"""
+
+from backends.relay.scripted import Script, ScriptedPolicy
 from backends.relay.service import Relay, RelayCore
 from backends.relay.tokens import Grant, UnknownRolloutError
-from backends.relay.trace import CallRecord, PolicyFailure, RolloutTrace, policy_failure
+from backends.relay.trace import (
+    CallError,
+    CallRecord,
+    ChoiceRecord,
+    PolicyFailure,
+    RolloutTrace,
+    policy_failure,
+)
 from backends.relay.upstream import RelaySettings
 
 __all__ = [
+    "CallError",
     "CallRecord",
+    "ChoiceRecord",
     "Grant",
     "PolicyFailure",
     "Relay",
     "RelayCore",
     "RelaySettings",
     "RolloutTrace",
+    "Script",
+    "ScriptedPolicy",
     "UnknownRolloutError",
     "policy_failure",
 ]

@@ -316,7 +316,8 @@ def reassemble_stream(body: bytes) -> dict[str, Any] | None:
 def _merge_choice(choices: dict[int, dict[str, Any]], part: dict[str, Any]) -> None:
     index = part.get("index", 0)
     choice = choices.setdefault(
-        index, {"index": index, "message": {"role": "assistant"}, "finish_reason": None}
+        index,
+        {"index": index, "message": {"role": "assistant", "content": None}, "finish_reason": None},
     )
     message = choice["message"]
     delta = part.get("delta") or {}
@@ -324,7 +325,7 @@ def _merge_choice(choices: dict[int, dict[str, Any]], part: dict[str, Any]) -> N
         if key == "tool_calls" and isinstance(value, list):
             _merge_tool_calls(message.setdefault("tool_calls", []), value)
         elif isinstance(value, str) and key != "role":
-            message[key] = message.get(key, "") + value
+            message[key] = (message.get(key) or "") + value
         elif value is not None:
             message[key] = value
     if part.get("finish_reason") is not None:

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -226,7 +225,7 @@ async def _one(session: aiohttp.ClientSession, target: Target, i: int, body: byt
             rest = await response.read()
             assert first and b"[DONE]" in first + rest, first + rest
         else:
-            payload = await response.read()
+            await response.read()
             elapsed = time.perf_counter() - started
         if response.status != 200:
             raise RuntimeError(f"{target.name}: HTTP {response.status}")
@@ -271,26 +270,50 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-async def _bench(quick: bool) -> int:
+async def _measure(
+    direct: Target, relayed: Target, n: int, seconds: float
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]], int]:
+    relay_calls = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        # The relay refuses a token on another rollout's route, and nothing is recorded.
+        async with session.post(
+            relayed.urls[0], data=CHAT_BODY, headers=relayed.headers[1]
+        ) as response:
+            assert response.status == 403, response.status
+        for target in (direct, relayed):  # warm up connections and code paths
+            for i in range(300):
+                await _one(session, target, i, CHAT_BODY)
+        relay_calls += 300
+
+        plain = await _latency(session, [direct, relayed], n, CHAT_BODY)
+        relay_calls += n
+        streamed = await _latency(session, [direct, relayed], n, STREAM_BODY)
+        relay_calls += n
+
+        rates: dict[str, list[float]] = {"direct": [], "relay": []}
+        for _ in range(2):
+            for target in (direct, relayed):
+                rate, count = await _throughput(session, target, 64, seconds)
+                rates[target.name].append(rate)
+                if target is relayed:
+                    relay_calls += count
+    return plain, streamed, rates, relay_calls
+
+
+def _bench(quick: bool) -> int:
+    import uvloop
+
     env = {**os.environ, "PYTHONPATH": str(HERE.parents[2])}
-    upstream = subprocess.Popen(
-        [sys.executable, str(HERE), "_upstream"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-    )
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "env": env}
+    upstream = subprocess.Popen([sys.executable, str(HERE), "_upstream"], **pipes)  # type: ignore[call-overload]
     relay = None
+    n = 1000 if quick else 4000
+    seconds = 2.0 if quick else 4.0
     try:
-        assert upstream.stdout is not None and upstream.stdin is not None
         port = json.loads(upstream.stdout.readline())["port"]
         upstream_url = f"http://127.0.0.1:{port}/v1"
-        relay = subprocess.Popen(
-            [sys.executable, str(HERE), "_relay", upstream_url],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        assert relay.stdout is not None and relay.stdin is not None
+        relay = subprocess.Popen([sys.executable, str(HERE), "_relay", upstream_url], **pipes)  # type: ignore[call-overload]
         grants = json.loads(relay.stdout.readline())["grants"]
         direct = Target("direct", [upstream_url + "/chat/completions"], ["unused"])
         relayed = Target(
@@ -298,41 +321,14 @@ async def _bench(quick: bool) -> int:
             [g["base_url"] + "/chat/completions" for g in grants],
             [g["token"] for g in grants],
         )
-        relay_calls = 0
-        n = 1000 if quick else 4000
-        seconds = 2.0 if quick else 4.0
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            # The relay refuses a token on another rollout's route, and nothing is counted.
-            wrong = {**relayed.headers[1]}
-            async with session.post(relayed.urls[0], data=CHAT_BODY, headers=wrong) as r:
-                assert r.status == 403, r.status
-            for target in (direct, relayed):  # warm up connections and code paths
-                for i in range(300):
-                    await _one(session, target, i, CHAT_BODY)
-            relay_calls += 300
-
-            plain = await _latency(session, [direct, relayed], n, CHAT_BODY)
-            relay_calls += n
-            streamed = await _latency(session, [direct, relayed], n, STREAM_BODY)
-            relay_calls += n
-
-            rates: dict[str, list[float]] = {"direct": [], "relay": []}
-            for _ in range(2):
-                for target in (direct, relayed):
-                    rate, count = await _throughput(session, target, 64, seconds)
-                    rates[target.name].append(rate)
-                    if target is relayed:
-                        relay_calls += count
-
+        plain, streamed, rates, relay_calls = uvloop.run(_measure(direct, relayed, n, seconds))
         relay.stdin.write(b"end\n")
         relay.stdin.flush()
         summary = json.loads(relay.stdout.readline())
     finally:
         for proc in (relay, upstream):
             if proc is not None:
-                if proc.stdin is not None:
-                    proc.stdin.close()
+                proc.stdin.close()
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
@@ -395,7 +391,7 @@ def main() -> int:
 
         anyio.run(_relay_main, args.upstream, backend_options={"use_uvloop": True})
         return 0
-    return uvloop.run(_bench(args.quick))
+    return _bench(args.quick)
 
 
 if __name__ == "__main__":
