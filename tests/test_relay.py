@@ -489,3 +489,23 @@ async def test_register_rejects_bad_ids_and_duplicates(upstream: Upstream) -> No
         assert second.token != first.token
         with pytest.raises(ValueError):
             Relay(upstream_url="ftp://nowhere")
+
+
+async def test_client_hanging_up_mid_stream_abandons_the_upstream_call(upstream: Upstream) -> None:
+    upstream.stream_hang_s = 5
+    async with Relay(upstream_url=upstream.url, upstream_api_key=KEY) as relay:
+        grant = relay.register("r1")
+        async with aiohttp.ClientSession() as http:
+            response = await http.post(
+                grant.base_url + "/chat/completions",
+                json={"messages": PROMPT, "stream": True},
+                headers={"authorization": f"Bearer {grant.token}"},
+            )
+            assert b"data:" in await response.content.readany()
+            response.close()  # the agent hangs up while the policy is still generating
+        with anyio.fail_after(2):
+            while relay.trace("r1").calls[0].latency_s is None:
+                await anyio.sleep(0.02)
+        call = relay.end("r1").calls[0]
+    assert call.error is CallError.CLIENT_DISCONNECTED and not call.is_policy_failure
+    assert call.latency_s is not None and call.latency_s < 2

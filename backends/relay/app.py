@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import anyio
+
 from backends.relay.http1 import (
     ConnectionPool,
     Response,
@@ -169,7 +171,9 @@ class RelayApp:
 
         if route == MODELS:
             call = _record(state, "GET", "/models", body, None, False, retry)
-            await self._forward(state, send, call, b"GET", state.upstream.models, forward, b"")
+            await self._forward(
+                state, send, receive, call, b"GET", state.upstream.models, forward, b""
+            )
             return
         try:
             request = json.loads(body)
@@ -192,12 +196,15 @@ class RelayApp:
         if b"content-type" not in forward:
             forward += b"content-type: application/json\r\n"
         call = _record(state, "POST", "/chat/completions", body, request, stream, retry)
-        await self._forward(state, send, call, b"POST", state.upstream.chat, forward, upstream_body)
+        await self._forward(
+            state, send, receive, call, b"POST", state.upstream.chat, forward, upstream_body
+        )
 
     async def _forward(
         self,
         state: RolloutState,
         send: Send,
+        receive: Receive,
         call: RawCall,
         method: bytes,
         target: Target,
@@ -259,7 +266,9 @@ class RelayApp:
                     code="upstream_auth_rejected",
                 )
             if stream:
-                await self._pass_stream(response, send, call, generation, out_headers, upstream)
+                await self._pass_stream(
+                    response, send, receive, call, generation, out_headers, upstream
+                )
                 return
             payload = await response.read(settings.response_timeout_s)
             ttfb = time.perf_counter() - call.t0
@@ -285,6 +294,7 @@ class RelayApp:
         self,
         response: Response,
         send: Send,
+        receive: Receive,
         call: RawCall,
         generation: int,
         headers: list[tuple[bytes, bytes]],
@@ -296,35 +306,44 @@ class RelayApp:
             call.upstream_status = status
         chunks = call.chunks
         first = True
-        try:
-            async for chunk in response.chunks(self.settings.stream_idle_timeout_s):
-                if first:
-                    first = False
-                    if call.generation == generation:
-                        call.ttfb_s = time.perf_counter() - call.t0
-                if status >= 400:
-                    chunk = upstream.scrub(chunk)
-                if call.generation == generation:
-                    chunks.append(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError as exc:
+        # If the agent hangs up mid-stream, stop reading: closing the upstream connection is
+        # how vLLM and SGLang learn to abort the generation and free the GPU.
+        gone = anyio.CancelScope()
+        failed: UpstreamError | None = None
+        with gone:
+            async with anyio.create_task_group() as watchers:
+                watchers.start_soon(_cancel_on_disconnect, receive, gone)
+                try:
+                    async for chunk in response.chunks(self.settings.stream_idle_timeout_s):
+                        if first:
+                            first = False
+                            if call.generation == generation:
+                                call.ttfb_s = time.perf_counter() - call.t0
+                        if status >= 400:
+                            chunk = upstream.scrub(chunk)
+                        if call.generation == generation:
+                            chunks.append(chunk)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except UpstreamError as exc:  # caught here, or the task group would wrap it
+                    failed = exc
+                finally:
+                    watchers.cancel_scope.cancel()
+        if failed is not None:
             # Headers are gone already: tell the client in-band, as an SSE error event that
             # OpenAI clients raise as an API error, and close the stream.
-            kind = CallError.TIMEOUT if isinstance(exc, TimeoutError) else CallError.CONNECTION
-            text = _describe(exc, upstream)
+            kind = CallError.TIMEOUT if isinstance(failed, TimeoutError) else CallError.CONNECTION
+            text = _describe(failed, upstream)
             event = b"data: " + error_body(text, f"upstream_{kind.value}") + b"\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": False})
-            if call.generation == generation:
-                call.status = status
-                call.error, call.error_message = kind, text
-                call.latency_s = time.perf_counter() - call.t0
-                call.done = True
+            _finish(call, generation, status, kind, text)
+            return
+        if gone.cancelled_caught:
+            response.release()  # not read to the end: the connection is closed, not reused
+            text = "the client disconnected mid-stream; the upstream call was abandoned"
+            _finish(call, generation, status, CallError.CLIENT_DISCONNECTED, text)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if call.generation == generation:
-            call.status = status
-            call.latency_s = time.perf_counter() - call.t0
-            call.done = True
+        _finish(call, generation, status, None, None)
 
     def _response_headers(
         self, raw: list[tuple[bytes, bytes]]
@@ -338,6 +357,22 @@ class RelayApp:
                 version = value.decode("latin-1")
             headers.append((name, value))
         return headers, version
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _finish(
+    call: RawCall, generation: int, status: int, error: CallError | None, message: str | None
+) -> None:
+    if call.generation == generation:
+        call.status = status
+        call.error, call.error_message = error, message
+        call.latency_s = time.perf_counter() - call.t0
+        call.done = True
 
 
 def _record(

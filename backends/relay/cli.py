@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -71,6 +72,7 @@ def relay_command(
             )
             if not os.environ.get(admin_token_env):
                 typer.echo(f"admin token (set {admin_token_env} to choose one): {admin_token}")
+            sys.stdout.flush()
             await _until_signalled()
 
     _run(main)
@@ -90,6 +92,7 @@ def scripted_policy_command(
     async def main() -> None:
         async with policy:
             typer.echo(f"scripted policy {policy.model!r} at {policy.base_url} (not a model)")
+            sys.stdout.flush()
             await _until_signalled()
 
     _run(main)

@@ -21,6 +21,7 @@ class CallError(StrEnum):
     TIMEOUT = "timeout"  # the upstream did not answer (or stopped streaming) in time
     CONNECTION = "connection"  # the upstream could not be reached, or dropped the connection
     INTERRUPTED = "interrupted"  # the call was still running when the trace was read
+    CLIENT_DISCONNECTED = "client_disconnected"  # the agent hung up before the answer ended
 
 
 # Upstream statuses that mean "the policy failed", not "the agent asked for something wrong":
