@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from backends.cli.run import run_command
+from backends.relay.cli import relay_command, scripted_policy_command
+from backends.server.cli import serve_command
 
 app = typer.Typer(
     name="backends",
@@ -13,7 +15,17 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+@app.callback()
+def _group() -> None:
+    """Sandboxed rollouts for agent RL: run datasets, serve trainers, relay the policy."""
+
+
 app.command("run")(run_command)
+app.command("serve")(serve_command)
+app.command("relay")(relay_command)
+app.command("scripted-policy")(scripted_policy_command)
 
 
 def main() -> None:

@@ -117,7 +117,7 @@ async def _run(
             if sink:
                 sink.close()
             await backend.aclose()
-    _report(results, scripted)
+    _report(results, {r.rollout_id: i for i, r in enumerate(requests)}, scripted)
     return all(r.failure is None for r in results)
 
 
@@ -142,8 +142,8 @@ class _policy:
             await self._scripted.__aexit__(*exc)
 
 
-def _report(results: list[RolloutResult], scripted: bool) -> None:
-    results.sort(key=lambda r: r.rollout_id)
+def _report(results: list[RolloutResult], order: dict[str, int], scripted: bool) -> None:
+    results.sort(key=lambda r: order.get(r.rollout_id, len(order)))
     table = Table(title="rollouts" + (" (policy answers are scripted)" if scripted else ""))
     for column in ("rollout", "status", "reward", "policy calls", "answer", "failure"):
         table.add_column(column)
@@ -164,7 +164,8 @@ def _report(results: list[RolloutResult], scripted: bool) -> None:
     rewards = [r.reward for r in results if r.reward is not None]
     failures = Counter(str(r.failure.category) for r in results if r.failure)
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
-    console.print(
+    # One machine-readable summary line, never wrapped.
+    print(
         json.dumps(
             {
                 "rollouts": len(results),
