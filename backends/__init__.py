@@ -32,6 +32,24 @@ from backends.rollout import (
     run_batch,
 )
 
+# The server, its client and the relay pull in HTTP stacks: import them only when asked for.
+_LAZY = {
+    "create_rollout_server": "backends.server",
+    "RolloutClient": "backends.server",
+    "Relay": "backends.relay",
+    "RelayedBackend": "backends.relayed",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'backends' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
     "AgentWorkflow",
     "AgentWorkflowConfig",
@@ -47,6 +65,9 @@ __all__ = [
     "GraderContext",
     "LocalBackend",
     "Phase",
+    "Relay",
+    "RelayedBackend",
+    "RolloutClient",
     "RolloutContext",
     "RolloutFailure",
     "RolloutRequest",
@@ -55,6 +76,7 @@ __all__ = [
     "RolloutStatus",
     "SampleSource",
     "collect",
+    "create_rollout_server",
     "get_rollout_context",
     "run_batch",
 ]

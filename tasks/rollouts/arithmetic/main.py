@@ -21,6 +21,7 @@ from backends import (
     Grader,
     GraderContext,
     LocalBackend,
+    create_rollout_server,
     get_rollout_context,
 )
 
@@ -76,3 +77,6 @@ backend = LocalBackend(
     workflow_config=arithmetic_config,
     grader=ExactAnswerGrader,
 )
+
+# A trainer drives this rollout over HTTP: `backends serve tasks/rollouts/arithmetic/main.py:app`.
+app = create_rollout_server(backend=backend)
