@@ -1,0 +1,278 @@
+"""Per-sandbox cgroups on pure cgroup v2 hosts and on v1/v2 hybrids.
+
+Hosts differ: a pure v2 host has every controller plus `cgroup.kill` in one tree under
+/sys/fs/cgroup; a hybrid (like the Firecracker VMs this project is measured on) mounts v1
+`memory`, `pids` and `cpu` hierarchies separately while the v2 tree at
+/sys/fs/cgroup/unified has no useful controller but does offer `cgroup.kill`. We detect which
+files exist instead of assuming a layout, and use `cgroup.kill` wherever a v2 tree exists
+because it kills a whole tree atomically, daemons and re-parented children included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backends.sandbox.errors import HostPrerequisiteError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+GROUP = "backends"  # parent group holding every sandbox, so leftovers are easy to find
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource ceilings for one sandbox; None means no limit."""
+
+    cpus: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which cgroup files this host offers."""
+
+    v2_root: Path | None  # a cgroup2 mount (for cgroup.kill, and limits when pure v2)
+    v2_controllers: frozenset[str]
+    v1: dict[str, Path] = field(default_factory=dict)  # controller -> v1 hierarchy mount
+
+    @property
+    def can_kill_tree(self) -> bool:
+        return self.v2_root is not None and (self.v2_root / "cgroup.procs").exists()
+
+    def limit_supported(self, controller: str) -> bool:
+        return controller in self.v2_controllers or controller in self.v1
+
+
+def detect() -> Layout:
+    """Read /proc/self/mounts and report the cgroup layout of this host."""
+    v2_root: Path | None = None
+    v1: dict[str, Path] = {}
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        mountpoint, fstype, options = Path(parts[1]), parts[2], parts[3].split(",")
+        if fstype == "cgroup2" and v2_root is None:
+            v2_root = mountpoint
+        elif fstype == "cgroup":
+            for controller in ("memory", "pids", "cpu"):
+                if controller in options:
+                    v1.setdefault(controller, mountpoint)
+    controllers: frozenset[str] = frozenset()
+    if v2_root is not None and (v2_root / "cgroup.controllers").exists():
+        controllers = frozenset((v2_root / "cgroup.controllers").read_text().split())
+    # A controller bound to a v1 hierarchy cannot be used through v2 at the same time.
+    controllers = controllers - set(v1)
+    return Layout(v2_root=v2_root, v2_controllers=controllers, v1=v1)
+
+
+_layout: Layout | None = None
+
+
+def layout() -> Layout:
+    global _layout
+    if _layout is None:
+        _layout = detect()
+    return _layout
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _enable_v2_controllers(root: Path, controllers: set[str]) -> None:
+    """Delegate the v2 controllers we need down to the `backends` group."""
+    wanted = " ".join(f"+{c}" for c in sorted(controllers))
+    if not wanted:
+        return
+    for parent in (root, root / GROUP):
+        with contextlib.suppress(OSError):
+            _write(parent / "cgroup.subtree_control", wanted)
+
+
+class SandboxCgroup:
+    """The cgroups of one sandbox: limits on every hierarchy, one kill switch.
+
+    Processes join by writing their pid into `procs_files()` (the launcher does it between
+    fork and exec, so nothing escapes by forking early). Each `exec` gets a child group in the
+    v2 tree so a timeout kills that command's tree and leaves the rest of the sandbox alone.
+    """
+
+    def __init__(self, name: str, lay: Layout | None = None) -> None:
+        self.name = name
+        self.layout = lay or layout()
+        self._dirs: list[Path] = []
+        self.v2_dir: Path | None = None
+        if self.layout.v2_root is not None:
+            self.v2_dir = self.layout.v2_root / GROUP / name
+            self._dirs.append(self.v2_dir)
+        for mount in self.layout.v1.values():
+            d = mount / GROUP / name
+            if d not in self._dirs:
+                self._dirs.append(d)
+
+    def create(self, limits: Limits) -> None:
+        """Make the groups and write the limits.
+
+        Raises:
+            HostPrerequisiteError: a limit was requested whose controller this host lacks,
+                or cgroups cannot be created (not root, read-only cgroupfs).
+        """
+        lay = self.layout
+        for controller, value in (
+            ("cpu", limits.cpus),
+            ("memory", limits.memory_mb),
+            ("pids", limits.pids),
+        ):
+            if value is not None and not lay.limit_supported(controller):
+                raise HostPrerequisiteError(
+                    f"the task sets a {controller} limit but this host has no {controller} "
+                    "cgroup controller (neither v1 nor v2); refusing to run it unlimited"
+                )
+        if lay.v2_root is not None and lay.v2_controllers:
+            _enable_v2_controllers(lay.v2_root, {"cpu", "memory", "pids"} & lay.v2_controllers)
+        try:
+            for d in self._dirs:
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise HostPrerequisiteError(f"cannot create cgroup {e.filename}: {e.strerror}") from e
+        self._write_limits(limits)
+        if self.v2_dir is not None:
+            (self.v2_dir / "init").mkdir(exist_ok=True)
+
+    def _controller_dir(self, controller: str) -> Path:
+        if controller in self.layout.v1:
+            return self.layout.v1[controller] / GROUP / self.name
+        assert self.v2_dir is not None
+        return self.v2_dir
+
+    def _write_limits(self, limits: Limits) -> None:
+        v1 = self.layout.v1
+        if limits.memory_mb is not None:
+            d, nbytes = self._controller_dir("memory"), limits.memory_mb * 1024 * 1024
+            if "memory" in v1:
+                _write(d / "memory.limit_in_bytes", str(nbytes))
+                # Without swap accounting the file is absent; with it, cap swap too.
+                if (d / "memory.memsw.limit_in_bytes").exists():
+                    _write(d / "memory.memsw.limit_in_bytes", str(nbytes))
+            else:
+                _write(d / "memory.max", str(nbytes))
+                with contextlib.suppress(OSError):
+                    _write(d / "memory.swap.max", "0")
+        if limits.pids is not None:
+            _write(self._controller_dir("pids") / "pids.max", str(limits.pids))
+        if limits.cpus is not None:
+            d, quota = self._controller_dir("cpu"), max(1000, int(limits.cpus * CPU_PERIOD_US))
+            if "cpu" in v1:
+                _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                _write(d / "cpu.cfs_quota_us", str(quota))
+            else:
+                _write(d / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+
+    def procs_files(self, sub: str = "init") -> list[str]:
+        """cgroup.procs files a new process must join: v1 groups and a v2 child group."""
+        files = [
+            str(mount / GROUP / self.name / "cgroup.procs") for mount in self.layout.v1.values()
+        ]
+        if self.v2_dir is not None:
+            files.append(str(self.v2_dir / sub / "cgroup.procs"))
+        return list(dict.fromkeys(files))
+
+    def new_exec_group(self, sub: str) -> None:
+        if self.v2_dir is not None:
+            (self.v2_dir / sub).mkdir(exist_ok=True)
+
+    def drop_exec_group(self, sub: str) -> None:
+        """Remove an exec's child group if nothing lives in it any more (daemons may)."""
+        if self.v2_dir is not None:
+            with contextlib.suppress(OSError):
+                (self.v2_dir / sub).rmdir()
+
+    def kill(self, sub: str | None = None, timeout: float = 5.0) -> None:
+        """SIGKILL every process of the sandbox (or of one exec group) and wait till gone."""
+        target = self.v2_dir / sub if (self.v2_dir is not None and sub) else self.v2_dir
+        if target is not None and (target / "cgroup.kill").exists():
+            with contextlib.suppress(FileNotFoundError):
+                _write(target / "cgroup.kill", "1")
+            _wait_empty(target, timeout)
+            return
+        # No cgroup.kill: signal members until none is left (they cannot fork past pids.max
+        # forever, and each round kills everything that exists).
+        groups = [target] if target is not None else []
+        if sub is None:
+            groups += [mount / GROUP / self.name for mount in self.layout.v1.values()]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pids = [p for g in groups for p in _members(g)]
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    def members(self) -> list[int]:
+        return [p for d in self._dirs for p in _members(d)]
+
+    def remove(self) -> None:
+        """Kill what is left, then remove the groups (children first)."""
+        self.kill()
+        for d in self._dirs:
+            _rmtree_cgroup(d)
+
+
+def _members(group: Path) -> list[int]:
+    pids: list[int] = []
+    try:
+        for procs in [group / "cgroup.procs", *group.glob("*/cgroup.procs")]:
+            pids.extend(int(x) for x in procs.read_text().split())
+    except FileNotFoundError:
+        pass
+    return pids
+
+
+def _wait_empty(group: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    events = group / "cgroup.events"
+    while time.monotonic() < deadline:
+        try:
+            if "populated 0" in events.read_text():
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.001)
+
+
+def _rmtree_cgroup(d: Path, attempts: int = 200) -> None:
+    if not d.exists():
+        return
+    for child in [c for c in d.iterdir() if c.is_dir()]:
+        _rmtree_cgroup(child, attempts)
+    for _ in range(attempts):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.005)  # killed processes are still being reaped
+
+
+def stale_groups() -> list[str]:
+    """Names of sandbox groups present on this host (for the leak collector)."""
+    lay = layout()
+    names: set[str] = set()
+    roots = [m / GROUP for m in lay.v1.values()]
+    if lay.v2_root is not None:
+        roots.append(lay.v2_root / GROUP)
+    for r in roots:
+        if r.is_dir():
+            names.update(c.name for c in r.iterdir() if c.is_dir())
+    return sorted(names)

@@ -1,0 +1,381 @@
+"""`LocalSandbox`: Harbor's `BaseEnvironment` backed by a bubblewrap sandbox, no Docker daemon.
+
+Load it in Harbor with `EnvironmentConfig(import_path="backends.sandbox.local:LocalSandbox")`
+(or `harbor run --env backends.sandbox.local:LocalSandbox`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import sys
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.environments.definition import require_agent_environment_definition
+from harbor.models.task.config import NetworkMode
+from harbor.models.trial.paths import EnvironmentPaths
+
+from backends.sandbox import layers, transfer
+from backends.sandbox.cgroups import Limits
+from backends.sandbox.errors import SandboxNotRunningError, SandboxPathError, UnsupportedTaskError
+from backends.sandbox.launcher import Bind
+from backends.sandbox.runtime import BwrapSandbox, SandboxSpec, reap_orphans
+
+log = logging.getLogger(__name__)
+
+RELAY_SOCKET_PATH = "/run/backends/relay.sock"
+DEFAULT_RELAY_PORT = 18080
+DEFAULT_PIDS_LIMIT = 2048
+
+
+def _parse_binds(raw: Iterable[Any] | str | None) -> list[Bind]:
+    """Accept Bind objects, dicts {source, target, read_only} or 'src:dst[:ro|rw]' strings."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        raw = [r for r in raw.split(",") if r]
+    binds: list[Bind] = []
+    for item in raw:
+        if isinstance(item, Bind):
+            binds.append(item)
+        elif isinstance(item, dict):
+            binds.append(
+                Bind(Path(item["source"]), str(item["target"]), bool(item.get("read_only", True)))
+            )
+        else:
+            parts = str(item).split(":")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+                raise ValueError(f"bad bind {item!r}: expected 'host:sandbox[:ro|rw]'")
+            binds.append(Bind(Path(parts[0]), parts[1], len(parts) == 2 or parts[2] == "ro"))
+    for b in binds:
+        if not b.target.startswith("/"):
+            raise SandboxPathError(f"bind target {b.target!r} must be an absolute sandbox path")
+        transfer.sandbox_path(b.target)
+        if not b.source.exists():
+            raise FileNotFoundError(f"bind source {b.source} does not exist on the host")
+    return binds
+
+
+class LocalSandbox(BaseEnvironment):
+    """A Harbor environment run as a local bubblewrap sandbox.
+
+    Isolation: a user namespace mapping sandbox root to host uid 100000 (host secrets stay
+    unreadable), pid/ipc/uts/mount namespaces, its own network namespace with only loopback
+    unless the task sets `network_mode = "public"`, a copy-on-write overlay over the image's
+    layers, and cgroup limits from task.toml (`cpus`, `memory_mb`) plus a pids limit. `stop()`
+    or the end of the owning process kills every process inside, daemons included.
+
+    Images: `environment/Dockerfile` is built into cached overlay layers (see
+    `backends.sandbox.layers`); `FROM` and `docker_image` resolve through
+    `sandbox_images/substitutions.toml`, with a warning when a substitute stands in.
+
+    Extra constructor kwargs (Harbor passes `EnvironmentConfig.kwargs` / `--ek k=v` here):
+
+    - `extra_binds`: host paths to show inside, as a list of `Bind`, of dicts
+      `{"source", "target", "read_only"=True}`, or a comma-separated string of
+      `host:sandbox[:ro|rw]`. Sources need not be reachable by the sandbox uid: the launcher
+      binds them as host root before entering the user namespace.
+    - `relay_socket`: host path of a Unix socket (the policy relay). It is bound at
+      `/run/backends/relay.sock` and a `socat` forwarder inside listens on
+      `127.0.0.1:<relay_port>` (default 18080) and connects to it, so a sandbox without
+      network reaches exactly that one endpoint. The socket must accept connections from host
+      uid 100000 (for example mode 0666; its directory may stay private).
+    - `relay_port`: the in-sandbox TCP port of that forwarder.
+    - `host_python`: True binds this host interpreter's installation (`sys.base_prefix`)
+      read-only at its original path (its RUNPATH needs that path); a string binds that
+      prefix instead.
+    - `network`: "public" or "none" to override the task's network mode.
+    - `pids_limit`: maximum processes in the sandbox (default 2048; fork bombs stop there).
+    - `build_network`: "public" (default, like `docker build`) or "none" for RUN steps.
+
+    Not supported, and refused at construction with an error naming it: GPUs and TPUs,
+    network allowlists, docker-compose environments, Windows. `storage_mb` cannot be enforced
+    (the overlay lives on the host filesystem) and is reported in a warning.
+
+    `stop(delete=False)` still removes the sandbox: its state lives in a scratch overlay that
+    nothing could reattach to.
+    """
+
+    _reaped: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        environment_dir: Path,
+        environment_name: str,
+        session_id: str,
+        trial_paths: Any,
+        task_env_config: Any,
+        *args: Any,
+        extra_binds: Iterable[Any] | str | None = None,
+        relay_socket: str | Path | None = None,
+        relay_port: int | str = DEFAULT_RELAY_PORT,
+        host_python: bool | str = False,
+        network: str | None = None,
+        pids_limit: int | str = DEFAULT_PIDS_LIMIT,
+        build_network: str = "public",
+        **kwargs: Any,
+    ) -> None:
+        self._extra_binds = _parse_binds(extra_binds)
+        self._relay_socket = Path(relay_socket) if relay_socket else None
+        self._relay_port = int(relay_port)
+        if isinstance(host_python, str) and host_python.lower() in ("true", "false", "1", "0"):
+            host_python = host_python.lower() in ("true", "1")
+        self._host_python = host_python
+        if network not in (None, "public", "none", "no-network"):
+            raise ValueError(f"network must be 'public' or 'none', not {network!r}")
+        self._network_override = network
+        self._pids_limit = int(pids_limit)
+        self._build_network = build_network != "none"
+        self._box: BwrapSandbox | None = None
+        self._image: layers.Image | None = None
+        super().__init__(
+            environment_dir,
+            environment_name,
+            session_id,
+            trial_paths,
+            task_env_config,
+            *args,
+            **kwargs,
+        )
+        if self.task_env_config.storage_mb:
+            log.warning(
+                "%s: storage_mb=%s is not enforced by local sandboxes",
+                session_id,
+                self.task_env_config.storage_mb,
+            )
+
+    @staticmethod
+    def type() -> str:
+        return "local-sandbox"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(disable_internet=True)
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        return EnvironmentResourceCapabilities(
+            cpu_limit=True, memory_limit=True, fractional_cpus=True
+        )
+
+    def _validate_definition(self) -> None:
+        if (self.environment_dir / "docker-compose.yaml").exists():
+            raise UnsupportedTaskError(
+                f"{self.environment_dir}/docker-compose.yaml: multi-container (compose) "
+                "tasks are not supported by local sandboxes"
+            )
+        require_agent_environment_definition(
+            self.environment_dir, docker_image=self.task_env_config.docker_image
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def network_enabled(self) -> bool:
+        """Public network only when asked for: by kwarg or explicitly by the task."""
+        if self._network_override is not None:
+            return self._network_override == "public"
+        if self.network_policy.network_mode != NetworkMode.PUBLIC:
+            return False
+        explicit = {"network_mode", "allow_internet"} & self.task_env_config.model_fields_set
+        return bool(explicit)
+
+    async def _resolve_image(self) -> layers.Image:
+        dockerfile = self.environment_dir / "Dockerfile"
+        if dockerfile.exists():
+            return await layers.build(self.environment_dir, network=self._build_network)
+        assert self.task_env_config.docker_image  # _validate_definition guarantees one
+        return await anyio.to_thread.run_sync(layers.base_image, self.task_env_config.docker_image)
+
+    def _binds(self) -> list[Bind]:
+        binds = list(self._extra_binds)
+        if self._relay_socket is not None:
+            if not self._relay_socket.exists():
+                raise FileNotFoundError(f"relay socket {self._relay_socket} does not exist")
+            binds.append(Bind(self._relay_socket, RELAY_SOCKET_PATH, read_only=False))
+        if self._host_python:
+            prefix = Path(sys.base_prefix if self._host_python is True else str(self._host_python))
+            binds.append(Bind(prefix, str(prefix), read_only=True))
+        return binds
+
+    async def start(self, force_build: bool) -> None:
+        # force_build changes nothing: layers are content-addressed, a rebuild would be equal.
+        if not LocalSandbox._reaped:
+            LocalSandbox._reaped = True
+            await anyio.to_thread.run_sync(reap_orphans)
+        self._image = await self._resolve_image()
+        paths = EnvironmentPaths.for_os(self.os)
+        dirs = [str(paths.agent_dir), str(paths.verifier_dir), str(paths.artifacts_dir)]
+        dirs += [t for t in self._mount_targets(writable_only=True) if t not in dirs]
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", self.session_id)[:40] + "-" + uuid.uuid4().hex[:8]
+        box = BwrapSandbox(
+            SandboxSpec(
+                lowerdirs=self._image.lowerdirs,
+                env=dict(self._image.env),
+                workdir=self._image.workdir,
+                network=self.network_enabled,
+                binds=self._binds(),
+                limits=Limits(
+                    cpus=self._effective_cpus,
+                    memory_mb=self._effective_memory_mb,
+                    pids=self._pids_limit,
+                ),
+                precreate_dirs=dirs,
+            ),
+            name=name,
+        )
+        await box.start()
+        self._box = box
+        try:
+            if self._relay_socket is not None:
+                await self._start_relay_forwarder()
+            await self._upload_environment_dir_after_start()
+        except BaseException:
+            await self.stop(delete=True)
+            raise
+
+    async def _start_relay_forwarder(self) -> None:
+        port = self._relay_port
+        hex_port = f"{port:04X}"
+        script = (
+            f"socat TCP-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork "
+            f"UNIX-CONNECT:{RELAY_SOCKET_PATH} </dev/null >/dev/null 2>&1 &\n"
+            # Ready once the port listens (state 0A); probing by connecting would open a
+            # spurious connection to the relay.
+            "for i in $(seq 500); do "
+            f"grep -q ':{hex_port} 00000000:0000 0A' /proc/net/tcp && exit 0; sleep 0.01; done\n"
+            "exit 1"
+        )
+        res = await self.exec(script, user="root")
+        if res.return_code != 0:
+            raise SandboxNotRunningError(f"relay forwarder did not start on port {port}")
+
+    async def stop(self, delete: bool) -> None:
+        box, self._box = self._box, None
+        if box is not None:
+            await box.stop()
+
+    def _require(self) -> BwrapSandbox:
+        if self._box is None:
+            raise SandboxNotRunningError(f"sandbox {self.session_id} is not started")
+        return self._box
+
+    @property
+    def workdir(self) -> str:
+        image_workdir = self._image.workdir if self._image else "/"
+        return self.task_env_config.workdir or image_workdir
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Run `command` with bash in the sandbox.
+
+        `user` falls back to Harbor's default user, then the image's USER, then root; `cwd`
+        to the task's workdir, then the image's WORKDIR. A non-zero exit, a missing cwd or an
+        unknown user is an ordinary result (exit 1 / 126 with the reason on stderr).
+
+        Raises:
+            ExecTimeoutError: past `timeout_sec`; the command's process tree was killed.
+            SandboxNotRunningError: not started, stopped, or the sandbox died.
+        """
+        box = self._require()
+        resolved = self._resolve_user(user)
+        if resolved is None and self._image is not None:
+            resolved = self._image.user
+        merged_env = self._merge_env(env)
+        try:
+            who = await box.resolve_user(resolved)
+        except ValueError as e:
+            return ExecResult(stdout="", stderr=f"{e}\n", return_code=126)
+        workdir = transfer.sandbox_path(cwd or self.workdir, self.workdir)
+        script = f"cd -- {shlex.quote(workdir)} || exit 1\n{command}"
+        res = await box.run(
+            ["/bin/bash", "-c", script], user=who, env=merged_env, timeout=timeout_sec
+        )
+        return ExecResult(
+            stdout=res.stdout.decode(errors="replace"),
+            stderr=res.stderr.decode(errors="replace"),
+            return_code=res.return_code,
+        )
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def _untar_into(self, target_dir: str, data: bytes) -> None:
+        box = self._require()
+        root = await box.resolve_user(0)
+        res = await box.run(
+            ["/bin/sh", "-c", 'mkdir -p -- "$0" && exec tar -x -p -C "$0" -f -', target_dir],
+            user=root,
+            stdin=data,
+        )
+        if res.return_code != 0:
+            raise OSError(f"upload into {target_dir} failed: {res.stderr.decode().strip()}")
+        box.forget_users()  # an upload may have replaced /etc/passwd
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        """Copy a host file to `target_path` in the sandbox (mode kept, owned by root).
+
+        Raises:
+            SandboxPathError: target escapes the sandbox root. FileNotFoundError: no source.
+        """
+        target = transfer.sandbox_path(target_path, self.workdir)
+        parent, name = target.rsplit("/", 1)
+        data = await anyio.to_thread.run_sync(transfer.pack, Path(source_path), name)
+        await self._untar_into(parent or "/", data)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        """Merge a host directory's contents into `target_dir` (created if missing)."""
+        target = transfer.sandbox_path(target_dir, self.workdir)
+        data = await anyio.to_thread.run_sync(transfer.pack_dir_contents, Path(source_dir))
+        await self._untar_into(target, data)
+
+    async def _tar_out(self, argv: list[str], what: str) -> bytes:
+        box = self._require()
+        res = await box.run(argv, user=await box.resolve_user(0))
+        if res.return_code != 0:
+            raise FileNotFoundError(f"cannot download {what}: {res.stderr.decode().strip()}")
+        return res.stdout
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        """Copy one sandbox file (symlinks followed inside the sandbox) to a host path.
+
+        Raises:
+            FileNotFoundError: no such file in the sandbox. SandboxPathError: bad path.
+        """
+        source = transfer.sandbox_path(source_path, self.workdir)
+        parent, name = source.rsplit("/", 1)
+        data = await self._tar_out(
+            ["tar", "-c", "-h", "-C", parent or "/", "-f", "-", name], source
+        )
+        target = Path(target_path)
+        await anyio.to_thread.run_sync(
+            lambda: transfer.safe_extract(data, target.parent, rename_single=target.name)
+        )
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """Copy a sandbox directory's contents into a host directory (modes, symlinks kept).
+
+        Raises:
+            FileNotFoundError: no such directory. SandboxPathError: a member would land
+            outside `target_dir` (for example through a symlink the sandbox planted).
+        """
+        source = transfer.sandbox_path(source_dir, self.workdir)
+        data = await self._tar_out(["tar", "-c", "-C", source, "-f", "-", "."], source)
+        await anyio.to_thread.run_sync(transfer.safe_extract, data, Path(target_dir))

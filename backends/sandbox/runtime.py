@@ -1,0 +1,316 @@
+"""One bubblewrap sandbox: boot, run commands, move files, tear down. No Harbor here.
+
+`LocalSandbox` (the Harbor environment) and the layer builder both drive this class. It
+owns four things that must not leak: the bwrap process tree, its cgroups, its overlay upper
+directory and an owner record. `stop()` removes all four; if the owning process dies first,
+`--die-with-parent` plus the pid namespace take the processes down, the mount lives only in
+the sandbox's own mount namespace, and `reap_orphans()` removes the rest on the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shlex
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from backends.sandbox import cgroups, launcher
+from backends.sandbox.errors import (
+    ExecTimeoutError,
+    SandboxNotRunningError,
+)
+from backends.sandbox.settings import UID_BASE, run_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Output still arriving after the command exited is collected this long; a daemon that keeps
+# the pipe open must not hold the caller forever.
+DRAIN_GRACE_SEC = 0.2
+
+
+@dataclass(frozen=True)
+class User:
+    uid: int
+    gid: int
+    home: str
+
+
+@dataclass
+class RunResult:
+    return_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+@dataclass
+class SandboxSpec:
+    """What to boot: the layer stack and the run-time options."""
+
+    lowerdirs: Sequence[Path]  # top-most first
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    network: bool = False
+    binds: Sequence[launcher.Bind] = ()
+    limits: cgroups.Limits = field(default_factory=cgroups.Limits)
+    # Directories created (mode 0777) in the upper layer before boot, e.g. Harbor's /logs/*.
+    precreate_dirs: Sequence[str] = ()
+    upper: Path | None = None  # keep the writable layer here (layer builds); else scratch
+
+
+class BwrapSandbox:
+    def __init__(self, spec: SandboxSpec, name: str | None = None) -> None:
+        self.spec = spec
+        self.name = name or f"sbx-{uuid.uuid4().hex[:12]}"
+        self.dir = run_dir() / self.name
+        self.cgroup = cgroups.SandboxCgroup(self.name)
+        self._booted: launcher.Booted | None = None
+        self._users: dict[str | int, User] = {}
+        self._exec_ids = itertools.count()
+        self._nsenter = "nsenter"
+
+    @property
+    def running(self) -> bool:
+        return self._booted is not None and self._booted.process.returncode is None
+
+    @property
+    def upper(self) -> Path:
+        return self.spec.upper or self.dir / "upper"
+
+    async def start(self) -> None:
+        """Boot the sandbox.
+
+        Raises:
+            HostPrerequisiteError: not root, bwrap missing, a needed cgroup controller missing.
+            SandboxStartError: the namespaces, overlay or bwrap failed (message says why).
+        """
+        _, self._nsenter = launcher.require_host()
+        await anyio.to_thread.run_sync(self._prepare)
+        try:
+            self._booted = await launcher.boot(self._boot_spec())
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._cleanup)
+            raise
+
+    def _boot_spec(self) -> launcher.BootSpec:
+        return launcher.BootSpec(
+            lowerdirs=self.spec.lowerdirs,
+            upper=self.upper,
+            work=self.dir / "work",
+            merged=self.dir / "merged",
+            cgroup_procs=self.cgroup.procs_files(),
+            network=self.spec.network,
+            binds=self.spec.binds,
+            stage_dir=self.dir / "binds",
+        )
+
+    def _prepare(self) -> None:
+        self.dir.mkdir(parents=True)
+        (self.dir / "owner").write_text(_owner_record(os.getpid()))
+        for sub in ("work", "merged"):
+            (self.dir / sub).mkdir()
+        self.upper.mkdir(parents=True, exist_ok=True)
+        for d in (self.upper, self.dir / "work"):
+            os.chown(d, UID_BASE, UID_BASE)
+        launcher.prepare_stage(self._boot_spec())
+        for path in self.spec.precreate_dirs:
+            self._precreate(path)
+        self.cgroup.create(self.spec.limits)
+
+    def _precreate(self, path: str) -> None:
+        # Written straight into the fresh (still empty, sandbox-free) upper layer: cheaper
+        # than an exec, and nothing inside can race us yet.
+        current = self.upper
+        for part in Path(path.lstrip("/")).parts:
+            current = current / part
+            if not current.exists():
+                current.mkdir()
+                os.chown(current, UID_BASE, UID_BASE)
+                current.chmod(0o755)
+        current.chmod(0o777)
+
+    async def stop(self) -> None:
+        """Kill every process of the sandbox (daemons included) and remove all its state.
+
+        Idempotent and safe under cancellation: the teardown runs shielded.
+        """
+        with anyio.CancelScope(shield=True):
+            booted, self._booted = self._booted, None
+            await anyio.to_thread.run_sync(self.cgroup.kill)
+            if booted is not None and booted.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    booted.process.kill()
+            if booted is not None:
+                await booted.process.wait()
+            await anyio.to_thread.run_sync(self._cleanup)
+
+    def _cleanup(self) -> None:
+        self.cgroup.remove()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def resolve_user(self, user: str | int | None) -> User:
+        """uid, gid and home of a user of this sandbox (looked up inside, then cached)."""
+        key: str | int = 0 if user is None else user
+        if key in self._users:
+            return self._users[key]
+        if key in (0, "root", "0"):
+            found = User(0, 0, "/root")
+        else:
+            res = await self.run(["getent", "passwd", str(key)], user=User(0, 0, "/root"))
+            fields = res.stdout.decode().strip().split(":")
+            if res.return_code == 0 and len(fields) >= 6:
+                found = User(int(fields[2]), int(fields[3]), fields[5] or "/")
+            elif isinstance(key, int) or str(key).isdigit():
+                found = User(int(key), int(key), "/")  # like docker: numeric ids need no entry
+            else:
+                raise ValueError(f"user {key!r} does not exist in the sandbox")
+        self._users[key] = found
+        return found
+
+    def forget_users(self) -> None:
+        self._users.clear()
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        user: User,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - mirrors Harbor's exec(timeout_sec)
+    ) -> RunResult:
+        """Run argv inside the sandbox and collect its exit code and output.
+
+        A non-zero exit is an ordinary result. On timeout or cancellation the command's whole
+        process tree (including anything it daemonized) is killed.
+
+        Raises:
+            SandboxNotRunningError: the sandbox was not started, was stopped, or died.
+            ExecTimeoutError: `timeout` seconds passed.
+        """
+        booted = self._booted
+        if booted is None or booted.process.returncode is not None:
+            raise SandboxNotRunningError(f"sandbox {self.name} is not running")
+        group = f"x{next(self._exec_ids)}"
+        await anyio.to_thread.run_sync(self.cgroup.new_exec_group, group)
+        full_env = {"PATH": DEFAULT_PATH, **self.spec.env, "HOME": user.home, **(env or {})}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *launcher.nsenter_argv(
+                    self._nsenter, booted.init_pid, argv, uid=user.uid, gid=user.gid, cwd=None
+                ),
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=full_env,
+                preexec_fn=launcher.join_cgroups_hook(self.cgroup.procs_files(group)),
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.cgroup.drop_exec_group, group)
+            raise
+        try:
+            with anyio.fail_after(timeout):
+                return await _collect(proc, stdin)
+        except TimeoutError:
+            raise ExecTimeoutError(
+                f"command timed out after {timeout} seconds and was killed: {shlex.join(argv)}"
+            ) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                if proc.returncode is None:
+                    await anyio.to_thread.run_sync(self.cgroup.kill, group)
+                    await proc.wait()
+                await anyio.to_thread.run_sync(self.cgroup.drop_exec_group, group)
+
+
+async def _collect(proc: asyncio.subprocess.Process, stdin: bytes | None) -> RunResult:
+    out: list[bytes] = []
+    err: list[bytes] = []
+    streams_done = [anyio.Event(), anyio.Event()]
+
+    async def pump(stream: asyncio.StreamReader | None, sink: list[bytes], done: anyio.Event):
+        try:
+            if stream is not None:
+                while chunk := await stream.read(65536):
+                    sink.append(chunk)
+        finally:
+            done.set()
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            proc.stdin.write(stdin or b"")
+            await proc.stdin.drain()
+        proc.stdin.close()
+
+    async with anyio.create_task_group() as tg:
+        if stdin is not None:
+            tg.start_soon(feed)
+        tg.start_soon(pump, proc.stdout, out, streams_done[0])
+        tg.start_soon(pump, proc.stderr, err, streams_done[1])
+        code = await proc.wait()
+        # Background children may hold the pipes open; take what comes quickly, then go.
+        with anyio.move_on_after(DRAIN_GRACE_SEC):
+            for done in streams_done:
+                await done.wait()
+        tg.cancel_scope.cancel()
+    return RunResult(code, b"".join(out), b"".join(err))
+
+
+def _start_time(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_record(pid: int) -> str:
+    return f"{pid} {_start_time(pid)}\n"
+
+
+def _owner_alive(record: str) -> bool:
+    try:
+        pid_s, start = record.split()
+    except ValueError:
+        return False
+    return _start_time(int(pid_s)) == start
+
+
+def reap_orphans() -> list[str]:
+    """Remove sandboxes whose owning process died: processes, cgroups, scratch dirs.
+
+    Returns the names removed. Cheap when there is nothing to do.
+    """
+    removed: list[str] = []
+    base = run_dir()
+    names = set(cgroups.stale_groups())
+    if base.is_dir():
+        names.update(p.name for p in base.iterdir() if p.is_dir())
+    for name in sorted(names):
+        owner = base / name / "owner"
+        try:
+            if _owner_alive(owner.read_text()):
+                continue
+        except FileNotFoundError:
+            # A run dir without an owner record is being created right now (the record is
+            # written first); a cgroup without a run dir is abandoned.
+            if (base / name).exists():
+                continue
+        cgroups.SandboxCgroup(name).remove()
+        shutil.rmtree(base / name, ignore_errors=True)
+        removed.append(name)
+    if removed:
+        log.warning("removed %d orphaned sandbox(es): %s", len(removed), ", ".join(removed))
+    return removed

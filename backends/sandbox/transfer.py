@@ -1,0 +1,111 @@
+"""Moving files across the sandbox wall as tar streams, without ever writing outside a target.
+
+Uploads are packed on the host and unpacked by `tar` running inside the sandbox as sandbox
+root, so every path (and every symlink an agent may have planted) resolves inside the
+sandbox's own mount tree, and in-sandbox root is an unprivileged host uid anyway. Downloads
+are packed inside and unpacked on the host by `safe_extract`, which keeps modes and symlinks
+but refuses any member that would land outside the target directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import stat
+import tarfile
+from pathlib import Path
+
+from backends.sandbox.errors import SandboxPathError
+
+
+def sandbox_path(path: str | os.PathLike[str], workdir: str = "/") -> str:
+    """Normalize a path inside the sandbox; relative paths start at `workdir`.
+
+    Raises:
+        SandboxPathError: the path climbs above the sandbox root with `..`, or holds a NUL.
+    """
+    raw = os.fspath(path)
+    if "\x00" in raw or raw == "":
+        raise SandboxPathError(f"invalid sandbox path {raw!r}")
+    full = raw if raw.startswith("/") else posixpath.join(workdir, raw)
+    depth = 0
+    for part in full.split("/"):
+        if part in ("", "."):
+            continue
+        depth = depth - 1 if part == ".." else depth + 1
+        if depth < 0:
+            raise SandboxPathError(f"sandbox path {raw!r} escapes the sandbox root")
+    return posixpath.normpath(full).replace("//", "/")
+
+
+def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    # Like `docker cp`: what the host sends belongs to root inside.
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def pack(source: Path, arcname: str) -> bytes:
+    """Tar a host file or directory tree (symlinks kept as links, modes kept)."""
+    if not source.exists() and not source.is_symlink():
+        raise FileNotFoundError(f"upload source {source} does not exist")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(str(source), arcname=arcname, filter=_root_owned)
+    return buf.getvalue()
+
+
+def pack_dir_contents(source: Path) -> bytes:
+    """Tar the contents of a host directory, to be merged into a target directory."""
+    if not source.is_dir():
+        raise NotADirectoryError(f"upload source {source} is not a directory")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for child in sorted(source.iterdir()):
+            tar.add(str(child), arcname=child.name, filter=_root_owned)
+    return buf.getvalue()
+
+
+def _inside(root: str, path: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def safe_extract(data: bytes, dest: Path, *, rename_single: str | None = None) -> None:
+    """Unpack a tar stream produced inside a sandbox into host directory `dest`.
+
+    Regular files, directories and symlinks (targets kept verbatim) are extracted with their
+    permission bits, minus setuid/setgid; devices and FIFOs are skipped. With `rename_single`,
+    the archive's one regular file is written to `dest / rename_single`.
+
+    Raises:
+        SandboxPathError: a member (or a hard link's target) would land outside `dest`,
+            including through a symlink extracted earlier.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    root = os.path.realpath(dest)
+    uid, gid = os.geteuid(), os.getegid()
+
+    def check(member: tarfile.TarInfo, _path: str) -> tarfile.TarInfo | None:
+        if member.isdev() or member.isfifo():
+            return None
+        if rename_single is not None:
+            if not member.isfile():
+                return None
+            member = member.replace(name=rename_single, deep=False)
+        name = member.name
+        if name.startswith("/") or not _inside(root, os.path.realpath(os.path.join(root, name))):
+            raise SandboxPathError(f"download member {name!r} would be written outside {dest}")
+        if member.islnk() and not _inside(
+            root, os.path.realpath(os.path.join(root, member.linkname))
+        ):
+            raise SandboxPathError(
+                f"download member {name!r} is a hard link to {member.linkname!r} outside {dest}"
+            )
+        mode = member.mode & ~(stat.S_ISUID | stat.S_ISGID) if member.mode is not None else None
+        return member.replace(mode=mode, uid=uid, gid=gid, uname="", gname="", deep=False)
+
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for member in tar:
+            # One member at a time, so the realpath check sees symlinks extracted before it.
+            tar.extract(member, root, filter=check)

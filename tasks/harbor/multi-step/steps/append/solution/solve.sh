@@ -1,0 +1,2 @@
+#!/bin/bash
+echo second >> /work/log.txt

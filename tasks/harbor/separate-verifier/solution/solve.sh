@@ -1,0 +1,3 @@
+#!/bin/bash
+echo 42 > /logs/artifacts/answer.txt
+touch /tmp/agent-was-here
