@@ -170,7 +170,7 @@ class RelayApp:
                 return await _too_large(send, len(body), limit)
 
         if route == MODELS:
-            call = _record(state, "GET", "/models", body, None, False, retry)
+            call = _record(state, "GET", "/models", body, False, retry)
             await self._forward(
                 state, send, receive, call, b"GET", state.upstream.models, forward, b""
             )
@@ -195,7 +195,7 @@ class RelayApp:
             upstream_body = json.dumps(request, separators=(",", ":")).encode()
         if b"content-type" not in forward:
             forward += b"content-type: application/json\r\n"
-        call = _record(state, "POST", "/chat/completions", body, request, stream, retry)
+        call = _record(state, "POST", "/chat/completions", body, stream, retry)
         await self._forward(
             state, send, receive, call, b"POST", state.upstream.chat, forward, upstream_body
         )
@@ -305,29 +305,44 @@ class RelayApp:
         if call.generation == generation:
             call.upstream_status = status
         chunks = call.chunks
-        first = True
-        # If the agent hangs up mid-stream, stop reading: closing the upstream connection is
-        # how vLLM and SGLang learn to abort the generation and free the GPU.
-        gone = anyio.CancelScope()
+        body = response.chunks(self.settings.stream_idle_timeout_s)
+
+        async def forward(chunk: bytes) -> None:
+            if status >= 400:
+                chunk = upstream.scrub(chunk)
+            if call.generation == generation:
+                chunks.append(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
         failed: UpstreamError | None = None
-        with gone:
-            async with anyio.create_task_group() as watchers:
-                watchers.start_soon(_cancel_on_disconnect, receive, gone)
-                try:
-                    async for chunk in response.chunks(self.settings.stream_idle_timeout_s):
-                        if first:
-                            first = False
-                            if call.generation == generation:
-                                call.ttfb_s = time.perf_counter() - call.t0
-                        if status >= 400:
-                            chunk = upstream.scrub(chunk)
-                        if call.generation == generation:
-                            chunks.append(chunk)
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except UpstreamError as exc:  # caught here, or the task group would wrap it
-                    failed = exc
-                finally:
-                    watchers.cancel_scope.cancel()
+        # The first chunk goes out before anything else is set up: it is the latency that
+        # agents wait on.
+        try:
+            async for chunk in body:
+                if call.generation == generation:
+                    call.ttfb_s = time.perf_counter() - call.t0
+                await forward(chunk)
+                break
+        except UpstreamError as exc:
+            failed = exc
+        # If the agent hangs up mid-stream, stop reading: closing the upstream connection is
+        # how vLLM and SGLang learn to abort the generation and free the GPU. Watching costs a
+        # task, paid only while the upstream is still generating.
+        gone = anyio.CancelScope()
+        if failed is None and response.complete:
+            async for chunk in body:
+                await forward(chunk)
+        elif failed is None:
+            with gone:
+                async with anyio.create_task_group() as watchers:
+                    watchers.start_soon(_cancel_on_disconnect, receive, gone)
+                    try:
+                        async for chunk in body:
+                            await forward(chunk)
+                    except UpstreamError as exc:  # caught here, or the task group wraps it
+                        failed = exc
+                    finally:
+                        watchers.cancel_scope.cancel()
         if failed is not None:
             # Headers are gone already: tell the client in-band, as an SSE error event that
             # OpenAI clients raise as an API error, and close the stream.
@@ -380,7 +395,6 @@ def _record(
     method: str,
     path: str,
     body: bytes,
-    request: dict[str, Any] | None,
     stream: bool,
     retry: bool,
 ) -> RawCall:
@@ -407,7 +421,6 @@ def _record(
         started_at=time.time(),
         t0=time.perf_counter(),
         request_body=body,
-        request=request,
         stream=stream,
         policy_version=state.policy_version,
     )

@@ -213,6 +213,11 @@ class Response:
     _pool: ConnectionPool
     _released: bool = field(default=False)
 
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (some of it may still be unread)."""
+        return self._conn.complete
+
     async def read(self, limit_s: float | None) -> bytes:
         """The whole body. Raises ``UpstreamTimeoutError`` or ``UpstreamProtocolError``."""
         conn = self._conn

@@ -55,7 +55,7 @@ class CallRecord(BaseModel):
     error_message: str | None = None
     stream: bool = False
     attempts: int = 1  # > 1 when client retries of the same request were folded in
-    request: dict[str, Any] | None = None
+    request: dict[str, Any] | None = None  # as the client sent it
     response: dict[str, Any] | None = None  # a streamed response is reassembled into this shape
     model: str | None = None
     usage: dict[str, Any] | None = None
@@ -152,8 +152,9 @@ class RawCall:
     path: str
     started_at: float
     t0: float  # perf_counter at arrival
+    # Only the bytes are kept: a parsed copy of every long conversation would cost several
+    # times the memory, for every call of every live rollout.
     request_body: bytes
-    request: dict[str, Any] | None
     stream: bool
     policy_version: str | None
     attempts: int = 1
@@ -194,7 +195,7 @@ def build_call(raw: RawCall) -> CallRecord:
         error_message=raw.error_message,
         stream=raw.stream,
         attempts=raw.attempts,
-        request=raw.request,
+        request=_loads_object(raw.request_body) if raw.request_body else None,
         policy_version=raw.policy_version,
     )
     if not raw.done:
