@@ -489,6 +489,8 @@ async def test_register_rejects_bad_ids_and_duplicates(upstream: Upstream) -> No
         assert second.token != first.token
         with pytest.raises(ValueError):
             Relay(upstream_url="ftp://nowhere")
+        with pytest.raises(ValueError, match="control characters"):
+            relay.register("k", upstream_url=upstream.url, upstream_api_key="sk\r\nX-Evil: 1")
 
 
 async def test_client_hanging_up_mid_stream_abandons_the_upstream_call(upstream: Upstream) -> None:

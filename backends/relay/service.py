@@ -35,7 +35,6 @@ class RelayCore:
         self.settings = settings
         self.registry = Registry()
         self._default = Upstream.parse(upstream_url, upstream_api_key) if upstream_url else None
-        self._upstreams: dict[tuple[str, str | None], Upstream] = {}
         self.origin: str | None = None  # set once serving; used for grants' base URLs
         admin = _AdminApp(self, admin_token) if admin_token else None
         self.app = RelayApp(self.registry, settings, admin)
@@ -49,11 +48,11 @@ class RelayCore:
         policy_version: str | None = None,
     ) -> Grant:
         if upstream_url is not None:
-            upstream = self._upstream(upstream_url, upstream_api_key)
+            upstream = Upstream.parse(upstream_url, upstream_api_key)
         elif self._default is not None:
             upstream = self._default
             if upstream_api_key is not None:
-                upstream = self._upstream(upstream.base_url, upstream_api_key)
+                upstream = Upstream.parse(upstream.base_url, upstream_api_key)
         else:
             raise ValueError(
                 f"rollout {rollout_id!r} has no upstream: the relay was started without "
@@ -75,12 +74,6 @@ class RelayCore:
         if base is None:
             raise RuntimeError("the relay is not serving yet: enter `async with relay:` first")
         return base.rstrip("/") + rollout_path(rollout_id)
-
-    def _upstream(self, url: str, key: str | None) -> Upstream:
-        found = self._upstreams.get((url, key))
-        if found is None:
-            found = self._upstreams[(url, key)] = Upstream.parse(url, key)
-        return found
 
 
 class Relay:

@@ -61,6 +61,9 @@ class Upstream:
         parts = urlsplit(text)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream URL {url!r} is not an absolute http(s) URL")
+        if api_key and (not api_key.isprintable() or " " in api_key):
+            # It goes into a header line verbatim: no way to smuggle a second header.
+            raise ValueError("the upstream API key holds spaces or control characters")
         if parts.query or parts.fragment:
             raise ValueError(f"upstream URL {url!r} must not carry a query or fragment")
         if text.endswith(CHAT_SUFFIX):
