@@ -182,25 +182,27 @@ def build_trace(
 
 
 def build_call(raw: RawCall) -> CallRecord:
-    record = CallRecord(
-        index=raw.index,
-        method=raw.method,
-        path=raw.path,
-        started_at=raw.started_at,
-        latency_s=raw.latency_s,
-        ttfb_s=raw.ttfb_s,
-        status=raw.status,
-        upstream_status=raw.upstream_status,
-        error=raw.error,
-        error_message=raw.error_message,
-        stream=raw.stream,
-        attempts=raw.attempts,
-        request=_loads_object(raw.request_body) if raw.request_body else None,
-        policy_version=raw.policy_version,
-    )
+    # Fields are gathered first and the models built once: setting attributes on a built
+    # pydantic model costs more than building it.
+    fields: dict[str, Any] = {
+        "index": raw.index,
+        "method": raw.method,
+        "path": raw.path,
+        "started_at": raw.started_at,
+        "latency_s": raw.latency_s,
+        "ttfb_s": raw.ttfb_s,
+        "status": raw.status,
+        "upstream_status": raw.upstream_status,
+        "error": raw.error,
+        "error_message": raw.error_message,
+        "stream": raw.stream,
+        "attempts": raw.attempts,
+        "request": _loads_object(raw.request_body) if raw.request_body else None,
+        "policy_version": raw.policy_version,
+    }
     if not raw.done:
-        record.error = CallError.INTERRUPTED
-        record.error_message = "the call was still in flight when the trace was read"
+        fields["error"] = CallError.INTERRUPTED
+        fields["error_message"] = "the call was still in flight when the trace was read"
     response: dict[str, Any] | None
     if raw.chunks:
         response = reassemble_stream(b"".join(raw.chunks))
@@ -208,52 +210,48 @@ def build_call(raw: RawCall) -> CallRecord:
         response = _loads_object(raw.response_body)
     else:
         response = None
-    if response is None:
-        return record
-    record.response = response
-    if isinstance(response.get("model"), str):
-        record.model = response["model"]
-    if isinstance(response.get("usage"), dict):
-        record.usage = response["usage"]
-    prompt_ids = response.get("prompt_token_ids")
-    choices = response.get("choices")
-    if isinstance(choices, list):
-        record.choices = [_choice(c) for c in choices if isinstance(c, dict)]
-        if prompt_ids is None and choices and isinstance(choices[0], dict):
-            prompt_ids = choices[0].get("prompt_token_ids")  # some servers put it per choice
-    if _is_int_list(prompt_ids):
-        record.prompt_token_ids = prompt_ids
-    return record
+    if response is not None:
+        fields["response"] = response
+        if isinstance(response.get("model"), str):
+            fields["model"] = response["model"]
+        if isinstance(response.get("usage"), dict):
+            fields["usage"] = response["usage"]
+        prompt_ids = response.get("prompt_token_ids")
+        choices = response.get("choices")
+        if isinstance(choices, list):
+            fields["choices"] = [_choice(c) for c in choices if isinstance(c, dict)]
+            if prompt_ids is None and choices and isinstance(choices[0], dict):
+                prompt_ids = choices[0].get("prompt_token_ids")  # some servers put it per choice
+        if _is_int_list(prompt_ids):
+            fields["prompt_token_ids"] = prompt_ids
+    return CallRecord(**fields)
 
 
 def _choice(raw: dict[str, Any]) -> ChoiceRecord:
     message = raw.get("message")
-    choice = ChoiceRecord(
-        index=raw.get("index", 0) if isinstance(raw.get("index"), int) else 0,
-        message=message if isinstance(message, dict) else None,
-        finish_reason=raw.get("finish_reason")
-        if isinstance(raw.get("finish_reason"), str)
-        else None,
-    )
+    index = raw.get("index")
+    finish = raw.get("finish_reason")
     token_ids = raw.get("token_ids")
-    if _is_int_list(token_ids):
-        choice.token_ids = token_ids
-    content = (
-        (raw.get("logprobs") or {}).get("content")
-        if isinstance(raw.get("logprobs"), dict)
-        else None
-    )
+    fields: dict[str, Any] = {
+        "index": index if isinstance(index, int) else 0,
+        "message": message if isinstance(message, dict) else None,
+        "finish_reason": finish if isinstance(finish, str) else None,
+        "token_ids": token_ids if _is_int_list(token_ids) else None,
+    }
+    logprobs = raw.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
     if isinstance(content, list) and content:
         entries = [e for e in content if isinstance(e, dict)]
-        logprobs = [e.get("logprob") for e in entries]
+        values = [e.get("logprob") for e in entries]
         tokens = [e.get("token") for e in entries]
-        if all(isinstance(v, int | float) for v in logprobs):
-            choice.logprobs = [float(v) for v in logprobs if isinstance(v, int | float)]
+        if all(isinstance(v, int | float) for v in values):
+            fields["logprobs"] = [float(v) for v in values if isinstance(v, int | float)]
         if all(isinstance(t, str) for t in tokens):
-            choice.logprob_tokens = [t for t in tokens if isinstance(t, str)]
-            if choice.token_ids is None:
-                choice.token_ids = _ids_from_token_strings(choice.logprob_tokens)
-    return choice
+            strings = [t for t in tokens if isinstance(t, str)]
+            fields["logprob_tokens"] = strings
+            if fields["token_ids"] is None:
+                fields["token_ids"] = _ids_from_token_strings(strings)
+    return ChoiceRecord(**fields)
 
 
 def _ids_from_token_strings(tokens: list[str]) -> list[int] | None:
