@@ -14,6 +14,8 @@ Host side, in process::
         agent_base_url = grant.base_url                 # http://127.0.0.1:<port>/rollouts/<id>/v1
         agent_api_key = grant.token                     # never the upstream key
         trace = relay.end(rollout_id)                   # token revoked; RolloutTrace returned
+                                                        # (await relay.aend(...): parsed in a
+                                                        # worker thread, for long rollouts)
         if (failure := trace.policy_failure()):         # upstream 5xx/429/timeout/unreachable
             ...                                         # -> label the rollout "policy_error"
 
