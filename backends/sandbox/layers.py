@@ -48,6 +48,9 @@ class Image:
         return [*reversed(self.layers), self.rootfs]
 
 
+_warned: set[str] = set()
+
+
 def layers_dir() -> Path:
     return cache_dir() / "layers"
 
@@ -60,7 +63,8 @@ def base_image(image: str) -> Image:
     """
     sub = rootfs.resolve_image(image)
     path = rootfs.ensure_rootfs(sub.rootfs)
-    if sub.note:
+    if sub.note and image not in _warned:
+        _warned.add(image)  # once per process: every sandbox would repeat it
         log.warning("image %s: %s", image, sub.note)
     marker = (path / rootfs.MARKER).read_text()
     return Image(source=image, rootfs=path, key=_h("base", sub.rootfs, marker))
@@ -191,7 +195,11 @@ async def _build_layer(
     try:
         root = await box.resolve_user(0)
         if ins.keyword == "WORKDIR":
-            res = await box.run(["mkdir", "-p", "--", image.workdir], user=root)
+            # Like BuildKit: a WORKDIR it has to create belongs to the current USER.
+            owner = await box.resolve_user(image.user)
+            wd_script = '[ -d "$0" ] || { mkdir -p -- "$0" && chown "$1:$2" -- "$0"; }'
+            argv = ["/bin/sh", "-c", wd_script, image.workdir, str(owner.uid), str(owner.gid)]
+            res = await box.run(argv, user=root)
         elif ins.keyword == "RUN":
             user = await box.resolve_user(image.user)
             script = df.shell_form(ins.args)

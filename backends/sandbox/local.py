@@ -147,6 +147,12 @@ class LocalSandbox(BaseEnvironment):
             *args,
             **kwargs,
         )
+        if self.task_env_config.network_mode == NetworkMode.ALLOWLIST:
+            # Harbor checks the trial's policy; a direct caller may only have the task's.
+            raise ValueError(
+                "network_mode='allowlist' is not supported by local-sandbox environment: it "
+                "can give no network or the host's network, nothing in between"
+            )
         if self.task_env_config.storage_mb:
             log.warning(
                 "%s: storage_mb=%s is not enforced by local sandboxes",
@@ -187,8 +193,9 @@ class LocalSandbox(BaseEnvironment):
             return self._network_override == "public"
         if self.network_policy.network_mode != NetworkMode.PUBLIC:
             return False
+        # Harbor's default is public; ours is none unless the task says public itself.
         explicit = {"network_mode", "allow_internet"} & self.task_env_config.model_fields_set
-        return bool(explicit)
+        return bool(explicit) and self.task_env_config.network_mode == NetworkMode.PUBLIC
 
     async def _resolve_image(self) -> layers.Image:
         dockerfile = self.environment_dir / "Dockerfile"

@@ -265,7 +265,9 @@ async def _collect(proc: asyncio.subprocess.Process, stdin: bytes | None) -> Run
             for done in streams_done:
                 await done.wait()
         tg.cancel_scope.cancel()
-    return RunResult(code, b"".join(out), b"".join(err))
+    # Killed by a signal (the OOM killer may take nsenter with its child): report it the way
+    # shells and docker do, 128 + signal number.
+    return RunResult(code if code >= 0 else 128 - code, b"".join(out), b"".join(err))
 
 
 def _start_time(pid: int) -> str:

@@ -1,0 +1,85 @@
+"""Sandbox cycle benchmark: LocalSandbox create -> exec `true` -> stop, against bare bwrap.
+
+Run as root: `python tests/benchmarks/bench_sandbox.py [cycles]` (default 60). Both loops
+alternate in one run so machine noise hits them alike; the ratio of p50s is the figure of
+merit (target: within 3x of bare bwrap). Then sandboxes per second with 16 in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from backends.sandbox.contract import PROVIDERS
+
+LOCAL = PROVIDERS[0]
+BARE = [
+    "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/",
+    "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "true",
+]  # fmt: skip
+
+
+async def bare_cycle() -> None:
+    proc = await asyncio.create_subprocess_exec(*BARE)
+    assert await proc.wait() == 0
+
+
+async def sandbox_cycle(tmp: Path) -> None:
+    env = LOCAL.make(tmp)
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("true")
+        assert res.return_code == 0, res
+    finally:
+        await env.stop(delete=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def main(cycles: int) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        await sandbox_cycle(tmp)  # builds/loads the base rootfs and warms caches
+        bare: list[float] = []
+        ours: list[float] = []
+        for _ in range(cycles):
+            for fn, sink in ((bare_cycle, bare), (lambda: sandbox_cycle(tmp), ours)):
+                t0 = time.perf_counter()
+                await fn()
+                sink.append((time.perf_counter() - t0) * 1000)
+        print(f"cycles: {cycles} each, interleaved")
+        for name, xs in (("bare bwrap true", bare), ("LocalSandbox create+exec+stop", ours)):
+            print(f"  {name:32s} p50 {pct(xs, 0.5):7.2f} ms   p99 {pct(xs, 0.99):7.2f} ms")
+        ratio = statistics.median(ours) / statistics.median(bare)
+        print(f"  ratio p50 LocalSandbox / bare bwrap: {ratio:.2f}x (target <= 3x)")
+
+        total, width = 96, 16
+        limiter = anyio.CapacityLimiter(width)
+
+        async def one() -> None:
+            async with limiter:
+                await sandbox_cycle(tmp)
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(total):
+                tg.start_soon(one)
+        elapsed = time.perf_counter() - t0
+        print(
+            f"  parallel: {total} sandboxes, {width} in flight: {total / elapsed:.1f} sandboxes/s"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 60))

@@ -1,0 +1,220 @@
+"""The provider contract: what every sandbox provider must do, checked on real sandboxes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from backends.sandbox.contract import Provider
+from backends.sandbox.errors import ExecTimeoutError, SandboxPathError
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.anyio]
+
+
+async def test_exec_semantics(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, env={"FROM_TASK": "t"})
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("echo out; echo err >&2; exit 3")
+        assert (res.return_code, res.stdout, res.stderr) == (3, "out\n", "err\n")
+        res = await env.exec("pwd; echo $A $FROM_TASK", cwd="/tmp", env={"A": "x"})
+        assert res.stdout == "/tmp\nx t\n"
+        res = await env.exec("id -u; echo $HOME", user="nobody")
+        assert res.stdout.split() == ["65534", "/nonexistent"]
+        assert (await env.exec("id -u", user=0)).stdout == "0\n"
+        # A missing executable or directory is an ordinary failed result.
+        assert (await env.exec("no-such-binary")).return_code == 127
+        assert (await env.exec("true", cwd="/no/such/dir")).return_code != 0
+        assert (await env.exec("ls /logs")).stdout.split() == ["agent", "artifacts", "verifier"]
+        assert (await env.exec("stat -c %a /logs/agent")).stdout == "777\n"
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_files_round_trip(provider: Provider, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (src / "run.sh").chmod(0o750)
+    (src / "sub" / "data.txt").write_text("data")
+    (src / "link").symlink_to("sub/data.txt")
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        await env.upload_dir(src, "/work/in")
+        res = await env.exec(
+            "stat -c '%a %U' /work/in/run.sh; readlink /work/in/link; /work/in/run.sh"
+        )
+        assert res.stdout == "750 root\nsub/data.txt\nhi\n"
+        await env.upload_file(src / "sub" / "data.txt", "/work/one/copy.txt")
+        assert (await env.exec("cat /work/one/copy.txt")).stdout == "data"
+        # A symlink planted inside points at a host path: downloads must keep it a link and
+        # never write through it.
+        await env.exec("ln -s /etc /work/in/evil && chmod 4755 /work/in/run.sh")
+        out = tmp_path / "out"
+        await env.download_dir("/work/in", out)
+        assert (out / "sub" / "data.txt").read_text() == "data"
+        assert os.readlink(out / "link") == "sub/data.txt"
+        assert os.readlink(out / "evil") == "/etc"
+        assert (out / "run.sh").stat().st_mode & 0o7777 == 0o755  # setuid dropped
+        await env.download_file("/work/in/link", tmp_path / "single.txt")
+        assert (tmp_path / "single.txt").read_text() == "data"
+        with pytest.raises(SandboxPathError, match="escapes"):
+            await env.upload_file(src / "run.sh", "../../etc/x")
+        with pytest.raises(SandboxPathError, match="escapes"):
+            await env.download_dir("/../../etc", tmp_path / "nope")
+        with pytest.raises(FileNotFoundError):
+            await env.download_file("/no/such/file", tmp_path / "missing")
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_timeout_kills_tree(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ExecTimeoutError, match="timed out"):
+            await env.exec("(setsid sleep 1000 &) ; nohup sleep 1000 & sleep 1000", timeout_sec=1)
+        assert time.monotonic() - t0 < 5
+        res = await env.exec("ps -eo comm | grep -c sleep")
+        assert res.stdout.strip() in ("0", "1")  # 1 = the keepalive
+        # Cancellation (Harbor's agent timeout) kills the command too.
+        with anyio.move_on_after(0.5):
+            await env.exec("sleep 1000")
+        assert (await env.exec("ps -eo args | grep -c '^sleep 1000'")).stdout.strip() == "0"
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_stop_kills_daemons_and_leaves_nothing(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    res = await env.exec("setsid nohup sleep 4242 >/dev/null 2>&1 & echo started")
+    assert res.stdout == "started\n"
+    box = env._box  # type: ignore[attr-defined]
+    assert any(_cmdline(p) == "sleep 4242" for p in box.cgroup.members())
+    await env.stop(delete=True)
+    assert not _host_processes("sleep 4242")
+    assert not _leftovers(box)
+
+
+def _leftovers(box) -> list[str]:  # noqa: ANN001
+    """Run dir, cgroups and mounts a stopped sandbox must not leave behind."""
+    left = [str(box.dir)] if box.dir.exists() else []
+    left += [str(d) for d in box.cgroup._dirs if Path(d).exists()]
+    if box.name in Path("/proc/self/mounts").read_text():
+        left.append("mount")
+    return left
+
+
+async def test_network_none_by_default_public_on_request(
+    provider: Provider, tmp_path: Path
+) -> None:
+    probe = "python3 -c \"import socket; s=socket.socket(); s.settimeout(2); s.connect(('1.1.1.1', 53))\" 2>&1; ip=$(cat /proc/net/dev | grep -c :); echo ifaces=$ip"
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        res = await env.exec(probe)
+        assert "unreachable" in res.stdout.lower() and "ifaces=1" in res.stdout
+    finally:
+        await env.stop(delete=True)
+    env = provider.make(tmp_path, network_mode="public")
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("cat /proc/net/dev | grep -c :")
+        assert int(res.stdout) > 1  # the host's interfaces, not just loopback
+    finally:
+        await env.stop(delete=True)
+    with pytest.raises(ValueError, match="allowlist"):
+        provider.make(tmp_path, network_mode="allowlist", allowed_hosts=["example.org"])
+
+
+async def test_host_secrets_unreadable(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, kwargs={"extra_binds": "/etc:/host-etc:ro"})
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("cat /host-etc/shadow; echo rc=$?; touch /host-etc/x; id -u")
+        assert "Permission denied" in res.stderr and "rc=1" in res.stdout
+        assert res.stdout.strip().endswith("0")  # root inside, yet not host root
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_limits_contain_memory_and_fork_bombs(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, memory_mb=128, cpus=0.5, kwargs={"pids_limit": 64})
+    await env.start(force_build=False)
+    try:
+        hog = await env.exec("python3 -c \"b=bytearray(512*1024*1024); print('survived')\"")
+        assert hog.return_code == 137 and "survived" not in hog.stdout
+        t0 = time.monotonic()
+        bomb = env.exec("f() { f | f & }; f; sleep 30", timeout_sec=3)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_swallow, bomb)
+            await anyio.sleep(1)
+            # The host stays responsive while the bomb hits pids.max.
+            t = time.monotonic()
+            subprocess.run(["true"], check=True)  # noqa: ASYNC221 - measures host latency
+            assert time.monotonic() - t < 1.0
+        assert time.monotonic() - t0 < 15
+        alive = await env.exec("echo alive")
+        assert alive.stdout == "alive\n", alive
+    finally:
+        await env.stop(delete=True)
+
+
+async def _swallow(aw) -> None:
+    try:
+        await aw
+    except ExecTimeoutError:
+        pass
+
+
+def test_no_leak_when_owner_dies(provider: Provider, tmp_path: Path) -> None:
+    script = f"""
+import anyio, sys
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+from pathlib import Path
+from backends.sandbox.contract import PROVIDERS
+p = [p for p in PROVIDERS if p.name == {provider.name!r}][0]
+async def main():
+    env = p.make(Path({str(tmp_path)!r}))
+    await env.start(force_build=False)
+    await env.exec("setsid nohup sleep 4343 >/dev/null 2>&1 &")
+    print(env._box.name, flush=True)
+    await anyio.sleep(1000)
+anyio.run(main)
+"""
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    name = owner.stdout.readline().strip()
+    assert name and _host_processes("sleep 4343")
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 5
+    while _host_processes("sleep 4343") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _host_processes("sleep 4343"), "a daemon outlived its sandbox's owner"
+    from backends.sandbox.runtime import reap_orphans
+    from backends.sandbox.settings import run_dir
+
+    assert name in reap_orphans()
+    assert not (run_dir() / name).exists()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _host_processes(cmdline: str) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)) == cmdline]
