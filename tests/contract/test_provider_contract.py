@@ -106,7 +106,7 @@ async def test_stop_kills_daemons_and_leaves_nothing(provider: Provider, tmp_pat
     assert not _leftovers(box)
 
 
-def _leftovers(box) -> list[str]:  # noqa: ANN001
+def _leftovers(box) -> list[str]:
     """Run dir, cgroups and mounts a stopped sandbox must not leave behind."""
     left = [str(box.dir)] if box.dir.exists() else []
     left += [str(d) for d in box.cgroup._dirs if Path(d).exists()]
