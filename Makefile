@@ -9,12 +9,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint bench
 
+# The base root filesystem of local sandboxes is built once (about a minute), then cached.
 setup: $(STAMP)
+	$(PY) -m backends.sandbox.rootfs
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	      bubblewrap debootstrap socat tmux procps; }
+	      bubblewrap debootstrap socat; }
 	@test -x $(PY) || python3.12 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade uv
 	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
