@@ -88,7 +88,9 @@ class ExactGrader(Grader):
         ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
 
 
-def make_backend(max_concurrent: int | None = None, artifacts_root: Path | None = None) -> LocalBackend:
+def make_backend(
+    max_concurrent: int | None = None, artifacts_root: Path | None = None
+) -> LocalBackend:
     config = AgentWorkflowConfig(
         name="scripted", concurrency=ConcurrencyConfig(max_concurrent=max_concurrent)
     )
@@ -144,12 +146,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-WORKFLOW_MAIN = '''
+WORKFLOW_MAIN = """
 import sys
 sys.path.insert(0, {tests!r})
 from server_support import make_backend
 backend = make_backend(max_concurrent={max_concurrent!r}, artifacts_root={artifacts!r})
-'''
+"""
 
 
 @contextlib.contextmanager

@@ -266,12 +266,17 @@ async def test_llm_api_key_is_never_stored(tmp_path: Path) -> None:
         )
         await result(http, "secret-url", lease2)
     assert KEY not in json.dumps(data)
-    stored = b"".join(p.read_bytes() for p in tmp_path.glob("state.sqlite3*") if p.is_file())
+    stored = _state_bytes(tmp_path)
     assert stored, "the state file exists"
     assert KEY.encode() not in stored
     assert b"hunter2pass" not in stored
     for saved in (tmp_path / "rollouts").rglob("*.json"):
         assert KEY not in saved.read_text()
+
+
+def _state_bytes(tmp_path: Path) -> bytes:
+    # The database, its WAL and shared-memory files: the key must be in none of them.
+    return b"".join(p.read_bytes() for p in tmp_path.glob("state.sqlite3*") if p.is_file())
 
 
 async def test_second_server_on_the_same_state_file_refuses_to_start(tmp_path: Path) -> None:

@@ -114,9 +114,11 @@ def _clean_step(step: dict[str, Any], redactor: Redactor) -> dict[str, Any]:
 
 def _clip(value: Any, redactor: Redactor, depth: int) -> Any:
     if isinstance(value, str):
-        text = redactor.text(value)
-        if len(text) > MAX_STRING_CHARS:
-            cut = len(text) - MAX_STRING_CHARS
+        # Cut first (with a margin, so a secret straddling the final cut is still whole and
+        # redacted), then redact: redacting megabytes only to clip them is wasted work.
+        text = redactor.text(value[: MAX_STRING_CHARS + 1024])
+        if len(value) > MAX_STRING_CHARS:
+            cut = len(value) - MAX_STRING_CHARS
             text = text[:MAX_STRING_CHARS] + f"... [{cut} characters clipped]"
         return text
     if depth >= MAX_DEPTH and isinstance(value, dict | list):

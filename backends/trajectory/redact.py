@@ -29,16 +29,22 @@ _PATTERNS: list[tuple[re.Pattern[str], str]] = [
     # Authorization header values.
     (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{4,}", re.IGNORECASE), rf"\1 {REDACTED}"),
     # URL userinfo: scheme://user:password@host (or a bare token as user).
-    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@\"']+(?::[^/\s@\"']*)?@"), rf"\1{REDACTED}@"),
+    (
+        re.compile(
+            r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]{0,30}://)[^/\s:@\"']{1,256}(?::[^/\s@\"']{0,256})?@"
+        ),
+        rf"\1{REDACTED}@",
+    ),
     # "api_key": "value", api_key=value, Authorization: value, password: value.
     (
         re.compile(
-            rf"(\"?\b[A-Za-z0-9_-]*{_CREDENTIAL_WORDS}\"?\s*[:=]\s*\"?)(?!\[REDACTED\])([^\s\"',;&}}]+)",
+            rf"(\"?(?<![A-Za-z0-9_-])[A-Za-z0-9_-]{{0,40}}?{_CREDENTIAL_WORDS}\"?\s*[:=]\s*\"?)(?!\[REDACTED\])([^\s\"',;&}}]+)",
             re.IGNORECASE,
         ),
         rf"\1{REDACTED}",
     ),
-    # Well-known key shapes.
+    # Well-known key shapes. (Every repetition above is bounded or anchored: these patterns run
+    # over whole tool outputs, and an unbounded one turns quadratic on a long run of letters.)
     (re.compile(r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{16,}"), REDACTED),
     (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), REDACTED),
     (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), REDACTED),
@@ -48,7 +54,8 @@ _PATTERNS: list[tuple[re.Pattern[str], str]] = [
 
 
 def is_sensitive_key(key: str) -> bool:
-    return bool(_SENSITIVE_KEY.match(key))
+    # Real header and field names are short; a long "key" is data, and not worth a regex scan.
+    return len(key) <= 128 and bool(_SENSITIVE_KEY.match(key))
 
 
 class Redactor:

@@ -1,0 +1,80 @@
+"""The server as a real process: kill -9 and restart on the same state file, SIGTERM drain."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backends.server import LEASE_HEADER
+from tests.server_support import rollout_body, server_process
+
+
+def submit(http: httpx.Client, rid: str, **extra: Any) -> str:
+    response = http.post("/rollout", json=rollout_body(rid, **extra))
+    assert response.status_code == 202, response.text
+    return str(response.json()["polling_lease_token"])
+
+
+def result(http: httpx.Client, rid: str, lease: str, wait: float = 10) -> dict[str, Any]:
+    response = http.get(
+        f"/rollout/{rid}/result", headers={LEASE_HEADER: lease}, params={"wait": wait}
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_kill_9_mid_batch_then_restart_loses_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state.sqlite3"
+    finished: dict[str, tuple[str, dict[str, Any]]] = {}
+    interrupted: dict[str, str] = {}
+    with server_process(tmp_path, state) as (proc, url), httpx.Client(base_url=url) as http:
+        for i in range(20):
+            lease = submit(http, f"fast-{i}")
+            finished[f"fast-{i}"] = (lease, {})
+        for i in range(5):
+            interrupted[f"slow-{i}"] = submit(http, f"slow-{i}", metadata={"sleep": 60})
+        for rid, (lease, _) in finished.items():
+            finished[rid] = (lease, result(http, rid, lease))
+        assert http.get("/health").json()["lifecycle"]["active_rollouts"] == 5
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    with server_process(tmp_path, state) as (_, url), httpx.Client(base_url=url) as http:
+        for rid, (lease, before) in finished.items():
+            assert before["status"] == "success"
+            assert result(http, rid, lease) == before
+        for rid, lease in interrupted.items():
+            data = result(http, rid, lease)
+            assert data["status"] == "failure", data
+            assert data["failure"]["category"] == "infra_error"
+            assert data["err_category"] == "internal_error"
+            assert data.get("sample") is None  # no reward at all, certainly not 0
+        health = http.get("/health").json()
+        assert health["lifecycle"]["active_rollouts"] == 0
+        assert http.post("/rollout", json=rollout_body("slow-0")).status_code == 409
+
+
+def test_sigterm_drains_finishes_or_cancels_then_exits(tmp_path: Path) -> None:
+    state = tmp_path / "state.sqlite3"
+    args = ("--drain-timeout-sec", "1.0")
+    with server_process(tmp_path, state, *args) as (proc, url), httpx.Client(base_url=url) as http:
+        quick = submit(http, "quick", metadata={"sleep": 0.5})
+        stuck = submit(http, "stuck", metadata={"sleep": 60})
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        refused = http.post("/rollout", json=rollout_body("late"))
+        assert refused.status_code == 503
+        assert http.get("/health").json()["status"] == "draining"
+        assert result(http, "quick", quick)["status"] == "success"
+        cancelled = result(http, "stuck", stuck)
+        assert cancelled["status"] == "cancelled"
+        assert proc.wait(15) == 0
+        assert time.monotonic() - started < 10
+    with server_process(tmp_path, state) as (_, url), httpx.Client(base_url=url) as http:
+        assert result(http, "quick", quick)["status"] == "success"
+        assert result(http, "stuck", stuck)["status"] == "cancelled"
