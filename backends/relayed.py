@@ -44,11 +44,10 @@ class RelayedBackend:
                     category=ErrorCategory.VALIDATION_ERROR, phase=Phase.SETUP, message=str(exc)
                 ),
             )
+        # Like the reference protocol, the URL is the OpenAI base URL (clients append
+        # /chat/completions); RolloutContext.base_url accepts either form.
         routed = request.model_copy(
-            update={
-                "chat_completions_url": grant.base_url + "/chat/completions",
-                "api_key": grant.token,
-            }
+            update={"chat_completions_url": grant.base_url, "api_key": grant.token}
         )
         try:
             result = await self.backend.execute(routed)
