@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # Sandboxes run as a mapped uid that is not the host user: the socket must be connectable by
 # anyone who can reach the path. Access is still guarded by the per-rollout token.
@@ -67,6 +68,54 @@ class _EmbeddedServer(uvicorn.Server):
     def request_exit(self) -> None:
         self.should_exit = True
         self._exit_requested.set()
+
+
+class _CoalescingTransport:
+    """A transport that sends a response's head together with its first body bytes.
+
+    uvicorn writes the status line and headers as soon as the app starts its response, then
+    the body: two syscalls and two TCP segments for every answer. Held for at most one turn of
+    the event loop, the head leaves with the body in one write; a head with no body yet (a
+    stream waiting for its first chunk) is flushed on the next turn.
+    """
+
+    __slots__ = ("_flush_scheduled", "_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: bytes | None = None
+        self._flush_scheduled = False
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data, self._held = self._held + data, None
+            self._transport.write(data)
+        elif data.startswith(b"HTTP/1.1 "):
+            self._held = data
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._held is not None:
+            data, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _Protocol(HttpToolsProtocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -130,7 +179,7 @@ async def serve_asgi(
             sockets.append(bind_unix(unix_socket_path))
         config = uvicorn.Config(
             app,
-            http="httptools",
+            http=_Protocol,
             lifespan="off",
             access_log=access_log,
             log_level="warning",
