@@ -246,6 +246,7 @@ class RelayApp:
                 )
         assert response is not None
 
+        ttfb = time.perf_counter() - call.t0  # the upstream's status line and headers are in
         try:
             status = response.status
             out_headers, version = self._response_headers(response.headers)
@@ -255,7 +256,8 @@ class RelayApp:
                 # The upstream refused the relay's own key: the sandbox cannot fix that, and the
                 # upstream's error text may quote the key.
                 response.release()
-                call.upstream_status = status
+                if call.generation == generation:
+                    call.upstream_status = status
                 return await _fail(
                     send,
                     call,
@@ -270,8 +272,8 @@ class RelayApp:
                     response, send, receive, call, generation, out_headers, upstream
                 )
                 return
-            payload = await response.read(settings.response_timeout_s)
-            ttfb = time.perf_counter() - call.t0
+            # One deadline for the whole call, headers and body.
+            payload = await response.read(max(0.0, settings.response_timeout_s - ttfb))
             if status >= 400:
                 payload = upstream.scrub(payload)
             out_headers.append((b"content-length", str(len(payload)).encode()))

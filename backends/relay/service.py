@@ -89,7 +89,8 @@ class Relay:
     ``async with Relay(upstream_url=..., upstream_api_key=...) as relay:`` serves on
     ``relay.base_url`` (TCP, 127.0.0.1 and a free port by default) and, if given, on
     ``unix_socket_path``; leaving the block stops the server and closes upstream connections.
-    ``register`` / ``end`` are plain calls on the serving event loop.
+    ``register`` / ``end`` are plain calls on the serving event loop (asyncio: uvicorn
+    serves it). Raises ``OSError`` on entry if the port or socket path cannot be bound.
     """
 
     def __init__(

@@ -48,7 +48,8 @@ class CallRecord(BaseModel):
     path: str  # relative to the rollout's base URL, e.g. "/chat/completions"
     started_at: float  # unix time the request reached the relay
     latency_s: float | None = None  # until the last byte was sent back (None: never finished)
-    ttfb_s: float | None = None  # until the upstream's first body bytes arrived
+    # Until the upstream's answer began: its headers, or for a stream its first body bytes.
+    ttfb_s: float | None = None
     status: int | None = None  # what the client got
     upstream_status: int | None = None  # what the upstream answered (None: no answer)
     error: CallError | None = None
