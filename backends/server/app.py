@@ -328,12 +328,16 @@ class RolloutServer:
                             message=f"the backend crashed: {describe(exc)}",
                         ),
                     )
-        finally:
+        except BaseException:
+            # Shutdown cancelled this task: still record a result, shielded and bounded.
             entry.scope = None
-            if entry.rollout_id in self._rollouts:  # not abandoned
-                # Shielded: a shutdown that cancels this task still records its result.
+            if entry.rollout_id in self._rollouts:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-                    await self._publish(entry, request, self._final(entry, result))
+                    await self._publish(entry, request, self._final(entry, None))
+            raise
+        entry.scope = None
+        if entry.rollout_id in self._rollouts:  # not abandoned
+            await self._publish(entry, request, self._final(entry, result))
 
     def _final(self, entry: _Rollout, result: RolloutResult | None) -> RolloutResult:
         rid = entry.rollout_id

@@ -1,0 +1,287 @@
+"""Throughput and latency of the rollout server over real HTTP, at 1, 64 and 256 in flight.
+
+    python tests/benchmarks/bench_server.py [--seconds 5] [--levels 1,64,256]
+
+This process is the load generator: lean aiohttp on uvloop, each worker submits a rollout
+(``POST /rollout``) and long-polls its result until it is final, then starts the next. Two
+servers run as subprocesses, each under uvicorn (uvloop + httptools):
+
+- ``trivial``: speaks the protocol and nothing else (no work, no state). Its rate is the
+  ceiling of this generator on this machine; our server cannot be measured above it.
+- ``backends``: ``create_rollout_server`` over a LocalBackend with a trivial workflow and
+  grader, with durable SQLite state (WAL, synchronous=NORMAL, group commit: 202 only after
+  acceptance is committed, a result served only after it is committed). The targets apply here.
+- ``backends+files``: the same plus the per-rollout files of the default configuration: an
+  artifacts directory (LocalBackend) and a saved ``trajectory.json`` for every rollout.
+
+Prints rollouts/s and p50/p99 latency (submit to final result) per level, CPU time per rollout
+of the server process and of the generator (steadier than rates on a shared machine), and the
+ratios against the generator's ceiling and against the reference SDK's measured rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+LEASE = "X-Osmosis-Rollout-Lease"
+KINDS = ("trivial", "backends", "backends+files")
+REFERENCE = {1: 373.0, 64: 396.0, 256: 353.0}  # osmosis-ai 0.3.8, same exchange (DESIGN.md)
+
+
+# -- the servers (run as subprocesses of this script) ---------------------------------------
+
+
+async def trivial_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The protocol and nothing else: accept anything, answer success at once."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            await send({"type": message["type"] + ".complete"})
+            if message["type"] == "lifespan.shutdown":
+                return
+    if scope["method"] == "POST":
+        while (await receive()).get("more_body"):
+            pass
+        body = (
+            b'{"rollout_id": "x", "status": "queued", "polling_lease_token": "t", '
+            b'"result_wait_timeout_sec": 30, "polling_lease_timeout_sec": 120}'
+        )
+        status = 202
+    else:
+        body = b'{"rollout_id": "x", "status": "success", "sample": {"reward": 1.0}}'
+        status = 200
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def backends_app(state: str, artifacts: str | None) -> Any:
+    from backends import AgentWorkflow, Grader, LocalBackend
+    from backends.rollout.config import AgentWorkflowConfig, ConcurrencyConfig
+    from backends.server import create_rollout_server
+
+    class Echo(AgentWorkflow[Any]):
+        async def run(self, ctx: Any) -> Any:
+            return [*ctx.prompt, {"role": "assistant", "content": "42"}]
+
+    class Exact(Grader):
+        async def grade(self, ctx: Any) -> None:
+            ctx.set_reward(1.0 if ctx.sample.messages[-1]["content"] == ctx.label else 0.0)
+
+    backend = LocalBackend(
+        workflow=Echo,
+        workflow_config=AgentWorkflowConfig(
+            name="echo", concurrency=ConcurrencyConfig(max_concurrent=None)
+        ),
+        grader=Exact,
+        artifacts_root=artifacts,
+    )
+    return create_rollout_server(
+        backend=backend, state_file=state, artifacts_root=artifacts, preview_root=None
+    )
+
+
+def serve(kind: str, port: int, workdir: str) -> None:
+    from backends.server.cli import serve as run
+
+    if kind == "trivial":
+        app: Any = trivial_app
+    elif kind == "backends":
+        app = backends_app(f"{workdir}/state.sqlite3", None)
+    else:
+        app = backends_app(f"{workdir}/files-state.sqlite3", f"{workdir}/rollouts")
+    run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+# -- the load generator --------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux), to compare costs under a noisy machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(url: str, in_flight: int, seconds: float, tag: str, pid: int) -> dict[str, float]:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    # Lean on purpose: bodies pre-encoded, no cookie jar, raw bytes read and parsed once.
+    head = b'{"initial_messages": [{"role": "user", "content": "What is 6 * 7?"}], "label": "42", '
+    head += b'"chat_completions_url": "http://127.0.0.1:9/v1/chat/completions", "rollout_id": "'
+    post_headers = {"content-type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    stop_at = 0.0
+    counting = False
+    loads = json.loads
+
+    async def worker(session: aiohttp.ClientSession, w: int) -> None:
+        nonlocal errors
+        n = 0
+        post = session.post
+        get = session.get
+        while time.perf_counter() < stop_at:
+            n += 1
+            rid = f"{tag}-{w}-{n}"
+            started = time.perf_counter()
+            async with post(
+                url + "/rollout", data=head + rid.encode() + b'"}', headers=post_headers
+            ) as response:
+                raw = await response.read()
+                if response.status != 202:
+                    errors += 1
+                    continue
+            headers = {LEASE: loads(raw)["polling_lease_token"]}
+            result_url = f"{url}/rollout/{rid}/result"
+            while True:
+                async with get(result_url, headers=headers) as got:
+                    status = loads(await got.read())["status"]
+                if status in ("success", "failure", "cancelled"):
+                    break
+            if status != "success":
+                errors += 1
+            if counting:
+                latencies.append(time.perf_counter() - started)
+
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    ) as session:
+        # Warm up (connections, code paths), then measure a fixed window.
+        stop_at = time.perf_counter() + 0.5
+        await asyncio.gather(*(worker(session, w) for w in range(in_flight)))
+        counting = True
+        server_cpu, own_cpu = cpu_seconds(pid), time.process_time()
+        started = time.perf_counter()
+        stop_at = started + seconds
+        await asyncio.gather(*(worker(session, w + 10_000) for w in range(in_flight)))
+        elapsed = time.perf_counter() - started
+        server_cpu, own_cpu = cpu_seconds(pid) - server_cpu, time.process_time() - own_cpu
+    latencies.sort()
+    return {
+        "rate": len(latencies) / elapsed,
+        "p50": _pct(latencies, 0.50) * 1000,
+        "p99": _pct(latencies, 0.99) * 1000,
+        "errors": errors,
+        "server_us": server_cpu / max(len(latencies), 1) * 1e6,
+        "client_us": own_cpu / max(len(latencies), 1) * 1e6,
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(kind: str, workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", kind, "--port", str(port), "--workdir", workdir],
+        env=env,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{kind} server did not start")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--levels", default="1,64,256")
+    parser.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.port, args.workdir)
+        return
+
+    import uvloop
+
+    levels = [int(x) for x in args.levels.split(",")]
+    print(f"rollout server benchmark: {os.cpu_count()} cores, {args.seconds:g} s per level")
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as workdir:
+        for kind in KINDS:
+            proc, url = start(kind, workdir)
+            try:
+                results[kind] = {}
+                for level in levels:
+                    tag = kind.replace("+", "-") + str(level)
+                    stats = uvloop.run(drive(url, level, args.seconds, tag, proc.pid))
+                    results[kind][level] = stats
+                    print(
+                        f"  {kind:14s} {level:4d} in flight: {stats['rate']:7.0f} rollouts/s  "
+                        f"p50 {stats['p50']:6.2f} ms  p99 {stats['p99']:7.2f} ms  "
+                        f"errors {stats['errors']:.0f}  CPU/rollout: server "
+                        f"{stats['server_us']:.0f} us, generator {stats['client_us']:.0f} us",
+                        flush=True,
+                    )
+            finally:
+                stop(proc)
+    ours, ceiling, files = results["backends"], results["trivial"], results["backends+files"]
+    best = max(s["rate"] for s in ours.values())
+    print("\nsummary (rollouts/s)")
+    print(
+        f"  {'in flight':>9s} {'backends':>9s} {'+files':>9s} {'ceiling':>9s} "
+        f"{'of ceiling':>10s} {'vs reference':>12s}"
+    )
+    for level in levels:
+        rate = ours[level]["rate"]
+        ref = REFERENCE.get(level)
+        vs_ref = f"{rate / ref:11.1f}x" if ref else f"{'-':>12s}"
+        print(
+            f"  {level:9d} {rate:9.0f} {files[level]['rate']:9.0f} {ceiling[level]['rate']:9.0f} "
+            f"{rate / ceiling[level]['rate']:9.0%} {vs_ref}"
+        )
+    if 64 in ours:
+        print(
+            f"  target at 64 in flight: >= 1200/s -> {'met' if ours[64]['rate'] >= 1200 else 'MISSED'}"
+        )
+    if 256 in ours:
+        share = ours[256]["rate"] / best
+        print(
+            f"  256 in flight vs best level: {share:.0%} (target >= 90%) -> "
+            f"{'met' if share >= 0.9 else 'MISSED'}"
+        )
+
+
+if __name__ == "__main__":
+    main()
