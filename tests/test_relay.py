@@ -512,3 +512,45 @@ async def test_client_hanging_up_mid_stream_abandons_the_upstream_call(upstream:
         call = relay.end("r1").calls[0]
     assert call.error is CallError.CLIENT_DISCONNECTED and not call.is_policy_failure
     assert call.latency_s is not None and call.latency_s < 2
+
+
+async def test_https_upstream_is_verified(tmp_path: Any) -> None:
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    await anyio.run_process(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+    )  # fmt: skip
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    state = Upstream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", state.chat)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"https://127.0.0.1:{port}/v1"
+    try:
+        trusted = RelaySettings(upstream_ca_file=str(cert))
+        for settings, expected in ((RelaySettings(), "untrusted"), (trusted, "42")):
+            async with Relay(upstream_url=url, upstream_api_key=KEY, settings=settings) as relay:
+                grant = relay.register("r1")
+                client = openai.AsyncOpenAI(
+                    base_url=grant.base_url, api_key=grant.token, max_retries=0
+                )
+                try:
+                    reply = await client.chat.completions.create(model="m", messages=PROMPT)
+                    answer = reply.choices[0].message.content
+                except openai.InternalServerError as exc:
+                    assert "CERTIFICATE_VERIFY_FAILED" in str(exc)
+                    answer = "untrusted"
+                await client.close()
+                assert answer == expected
+                relay.end("r1")
+    finally:
+        await runner.cleanup()
+    assert state.headers[0]["Authorization"] == f"Bearer {KEY}"

@@ -61,6 +61,7 @@ class RelayApp:
         self.pool = ConnectionPool(
             connect_timeout=settings.connect_timeout_s,
             keepalive_timeout=settings.keepalive_timeout_s,
+            ca_file=settings.upstream_ca_file,
         )
         self._admin = admin
         self._version_header = settings.policy_version_header.lower().encode()

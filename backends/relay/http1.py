@@ -279,10 +279,17 @@ class Response:
 class ConnectionPool:
     """Keep-alive connections per upstream origin. Use from one event loop; ``close`` at the end."""
 
-    def __init__(self, *, connect_timeout: float, keepalive_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        keepalive_timeout: float,
+        ca_file: str | None = None,
+    ) -> None:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive_timeout
+        self._ca_file = ca_file
         self._ssl: ssl.SSLContext | None = None
 
     async def request(
@@ -348,7 +355,10 @@ class ConnectionPool:
         context = None
         if target.scheme == "https":
             if self._ssl is None:
+                # The system's trust store, plus a private CA for in-cluster TLS if given.
                 self._ssl = ssl.create_default_context()
+                if self._ca_file:
+                    self._ssl.load_verify_locations(self._ca_file)
             context = self._ssl
         try:
             async with asyncio.timeout(self._connect_timeout):
@@ -364,6 +374,8 @@ class ConnectionPool:
                 f"could not connect to {target.host}:{target.port} within "
                 f"{self._connect_timeout:g} s"
             ) from exc
+        except ssl.SSLError as exc:  # an OSError, but repeating cannot fix a certificate
+            raise UpstreamError(f"TLS with {target.host}:{target.port} failed: {exc}") from exc
         except OSError as exc:
             raise UpstreamConnectError(
                 f"could not connect to {target.host}:{target.port}: {exc}"

@@ -40,6 +40,8 @@ class RelaySettings:
     session_header: str | None = "x-session-id"
     # Idle pooled connections are dropped before a typical upstream (uvicorn: 5 s) drops them.
     keepalive_timeout_s: float = 4.0
+    # Extra CA certificates (PEM) trusted for https upstreams, besides the system's.
+    upstream_ca_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
