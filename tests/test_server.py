@@ -11,10 +11,10 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from server_support import make_backend, rollout_body, serve_in_process
 
 from backends.rollout.backend import CancelDisposition
 from backends.server import LEASE_HEADER, RolloutClient, RolloutServerError, create_rollout_server
-from tests.server_support import make_backend, rollout_body, serve_in_process
 
 pytestmark = pytest.mark.anyio
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from server_support import rollout_body, server_process
 
 from backends.server import LEASE_HEADER
-from tests.server_support import rollout_body, server_process
 
 
 def submit(http: httpx.Client, rid: str, **extra: Any) -> str:

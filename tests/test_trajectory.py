@@ -13,11 +13,11 @@ import httpx
 import pytest
 from harbor.models.trajectories import Metrics
 from harbor.utils.trajectory_validator import TrajectoryValidator
+from server_support import make_backend, rollout_body, serve_in_process
 
 from backends.server import LEASE_HEADER, create_rollout_server
 from backends.trajectory import Redactor, build_preview, to_trajectory
 from backends.trajectory.preview import MAX_PREVIEW_BYTES, MAX_STRING_CHARS
-from tests.server_support import make_backend, rollout_body, serve_in_process
 
 KEY = "sk-test-key-0123456789abcdef"
 
