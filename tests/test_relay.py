@@ -554,3 +554,68 @@ async def test_https_upstream_is_verified(tmp_path: Any) -> None:
     finally:
         await runner.cleanup()
     assert state.headers[0]["Authorization"] == f"Bearer {KEY}"
+
+
+async def test_pooled_connections_the_upstream_closed_are_not_a_failure() -> None:
+    state = Upstream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", state.chat)
+    runner = web.AppRunner(app, shutdown_timeout=0.1, keepalive_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with Relay(upstream_url=f"http://127.0.0.1:{port}/v1") as relay:
+            grant = relay.register("r1")
+            client = openai.AsyncOpenAI(base_url=grant.base_url, api_key=grant.token, max_retries=0)
+            for _ in range(3):
+                reply = await client.chat.completions.create(model="m", messages=PROMPT)
+                assert reply.choices[0].message.content == "42"
+                await anyio.sleep(0.3)  # the upstream drops the idle connection meanwhile
+            await client.close()
+            assert [c.attempts for c in relay.end("r1").calls] == [1, 1, 1]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_request_on_a_connection_the_upstream_just_dropped_is_resent() -> None:
+    """Each connection answers one request and drops the next unanswered (a keep-alive race)."""
+    import asyncio
+
+    body = json.dumps(
+        {"object": "chat.completion", "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "42"},
+             "finish_reason": "stop"}]}
+    ).encode()  # fmt: skip
+    received = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal received
+        for answer in (True, False):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            received += 1
+            if answer:
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Relay(upstream_url=f"http://127.0.0.1:{port}/v1") as relay:
+            grant = relay.register("r1")
+            client = openai.AsyncOpenAI(base_url=grant.base_url, api_key=grant.token, max_retries=0)
+            for _ in range(2):
+                reply = await client.chat.completions.create(model="m", messages=PROMPT)
+                assert reply.choices[0].message.content == "42"
+            await client.close()
+            assert [c.status for c in relay.end("r1").calls] == [200, 200]
+    finally:
+        server.close()
+    assert received == 3  # the dropped request was sent again on a fresh connection

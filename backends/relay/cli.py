@@ -44,6 +44,9 @@ def relay_command(
     advertised_url: Annotated[
         str | None, typer.Option(help="Origin remote sandboxes use to reach this relay.")
     ] = None,
+    upstream_ca_file: Annotated[
+        Path | None, typer.Option(help="Extra CA certificates (PEM) for an https upstream.")
+    ] = None,
 ) -> None:
     """Run the rollout-scoped policy relay as its own process.
 
@@ -60,7 +63,10 @@ def relay_command(
         port=port,
         unix_socket_path=unix_socket,
         advertised_url=advertised_url,
-        settings=RelaySettings(request_token_ids=request_token_ids),
+        settings=RelaySettings(
+            request_token_ids=request_token_ids,
+            upstream_ca_file=str(upstream_ca_file) if upstream_ca_file else None,
+        ),
         admin_token=admin_token,
     )
 
