@@ -27,7 +27,7 @@ from backends.rollout.errors import (
 from backends.rollout.loading import load_object
 from backends.rollout.normalize import sample_from_output
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
-from backends.rollout.sample import RolloutSample
+from backends.rollout.sample import RolloutSample, json_copy
 from backends.rollout.workflow import AgentWorkflow, Grader
 
 
@@ -160,8 +160,11 @@ class LocalBackend:
                     acquired = True
                 entry.status = RolloutStatus.RUNNING
                 timings["queued_sec"] = time.monotonic() - started
-                artifacts_dir = await anyio.to_thread.run_sync(
-                    make_artifacts_dir, self.artifacts_root, rid
+                # Off the event loop: a slow or remote filesystem must not stall other rollouts.
+                artifacts_dir = (
+                    await anyio.to_thread.run_sync(make_artifacts_dir, self.artifacts_root, rid)
+                    if self.artifacts_root is not None
+                    else None
                 )
                 try:
                     sample, info = await self._run_workflow(request, artifacts_dir)
@@ -203,9 +206,9 @@ class LocalBackend:
     ) -> tuple[RolloutSample, dict]:
         workflow = self.workflow_cls(config=_fresh(self.workflow_config))
         ctx = AgentWorkflowContext(
-            prompt=copy.deepcopy(request.prompt),
+            prompt=json_copy(request.prompt),
             config=workflow.config,
-            metadata=copy.deepcopy(request.metadata),
+            metadata=json_copy(request.metadata),
             artifacts_dir=artifacts_dir,
         )
         with RolloutContext(
@@ -240,7 +243,7 @@ class LocalBackend:
                 ctx = GraderContext(
                     label=request.label,
                     sample=sample,
-                    metadata=copy.deepcopy(request.metadata),
+                    metadata=json_copy(request.metadata),
                     artifacts_dir=artifacts_dir,
                 )
                 await grader.grade(ctx)
@@ -268,6 +271,8 @@ def _max_concurrent(config: Any) -> int | None:
 
 def _fresh(config: Any) -> Any:
     # Each rollout gets its own copy, so one rollout's mutation cannot leak into the next.
+    if config is None:
+        return None
     try:
         return copy.deepcopy(config)
     except Exception:

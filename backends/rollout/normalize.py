@@ -19,7 +19,7 @@ async def sample_from_output(output: Any, context: RolloutContext) -> tuple[Roll
     """
     if isinstance(output, list | tuple):
         try:
-            output = AgentWorkflowOutput(messages=list(output))
+            return RolloutSample(messages=list(output)), {}
         except ValidationError as exc:
             raise RolloutValidationError(f"run() returned an invalid message list: {exc}") from None
     if output is not None and not isinstance(output, AgentWorkflowOutput):

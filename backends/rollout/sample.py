@@ -12,6 +12,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MessageDict = dict[str, Any]
 
 
+def json_copy(value: Any) -> Any:
+    """A deep copy of JSON-shaped data (dicts, lists, scalars), several times faster than
+    ``copy.deepcopy`` on the hot path; anything else falls back to ``copy.deepcopy``."""
+    kind = type(value)
+    if kind is dict:
+        return {k: json_copy(v) for k, v in value.items()}
+    if kind is list:
+        return [json_copy(v) for v in value]
+    if kind in (str, int, float, bool) or value is None:
+        return value
+    return copy.deepcopy(value)
+
+
 class MessageFormatError(TypeError, ValueError):
     """Messages are not a list of dicts with a role (a ValueError too, so pydantic reports it)."""
 
@@ -85,7 +98,7 @@ class RolloutSample(BaseModel):
         if isinstance(data, Mapping) and "trajectory_messages" not in data:
             data = dict(data)
             try:
-                data["trajectory_messages"] = copy.deepcopy(list(data.get("messages") or []))
+                data["trajectory_messages"] = json_copy(list(data.get("messages") or []))
             except Exception:  # uncopyable framework objects: keep the native sample only
                 data["trajectory_messages"] = None
         return data
