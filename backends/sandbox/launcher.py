@@ -19,10 +19,17 @@ calls, which is what makes them safe in a multi-threaded parent.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import contextlib
+import functools
+import itertools
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +37,7 @@ from pathlib import Path
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-MS_REC = 0x4000
-MS_PRIVATE = 1 << 18
-MS_NOSUID = 2
-MS_NODEV = 4
-
-_libc = ctypes.CDLL(None, use_errno=True)
+_ZYGOTE = Path(__file__).with_name("zygote.py")
 KEEPALIVE = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
 
 
@@ -65,6 +65,11 @@ class BootSpec:
     stage_dir: Path = Path("/nonexistent")  # where binds are staged before entering the userns
 
 
+@functools.cache
+def _which(name: str) -> str | None:
+    return shutil.which(name)
+
+
 def require_host() -> tuple[str, str]:
     """Return the paths of bwrap and nsenter, or say what to install.
 
@@ -76,41 +81,12 @@ def require_host() -> tuple[str, str]:
             "the local sandbox launcher must run as root (it writes uid maps, cgroups and "
             "mounts overlays); run as root or pick another environment type"
         )
-    bwrap, nsenter = shutil.which("bwrap"), shutil.which("nsenter")
+    bwrap, nsenter = _which("bwrap"), _which("nsenter")
     if bwrap is None:
         raise HostPrerequisiteError("bubblewrap is not installed: apt-get install -y bubblewrap")
     if nsenter is None:
         raise HostPrerequisiteError("nsenter is missing: apt-get install -y util-linux")
     return bwrap, nsenter
-
-
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _join_cgroups(files: Sequence[str]) -> None:
-    pid = str(os.getpid()).encode()
-    for f in files:
-        fd = os.open(f, os.O_WRONLY)
-        try:
-            os.write(fd, pid)
-        finally:
-            os.close(fd)
-
-
-def _map_ids_of(pid: int) -> None:
-    line = f"0 {UID_BASE} {UID_COUNT}\n".encode()
-    for name in ("uid_map", "gid_map"):
-        fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-
-
-MS_BIND = 4096
 
 
 def staged(spec: BootSpec, index: int) -> Path:
@@ -128,45 +104,13 @@ def prepare_stage(spec: BootSpec) -> None:
             point.touch()
 
 
-def _boot_child(spec: BootSpec) -> Callable[[], None]:
-    """The pre-exec hook of the bwrap process (runs in the forked child)."""
+def _boot_request(spec: BootSpec) -> dict[str, object]:
     lower = ":".join(str(p) for p in spec.lowerdirs)
-    options = f"lowerdir={lower},upperdir={spec.upper},workdir={spec.work},userxattr".encode()
-    merged = str(spec.merged).encode()
-    stages = [
-        (str(b.source).encode(), str(staged(spec, i)).encode()) for i, b in enumerate(spec.binds)
-    ]
-
-    def child() -> None:
-        _join_cgroups(spec.cgroup_procs)
-        # Still host root, in a private mount namespace: mount the overlay and stage the
-        # binds here, so sources the sandbox uid could not traverse (e.g. under /root) work.
-        _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")
-        _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-        _check(_libc.mount(b"overlay", merged, b"overlay", MS_NODEV, options), "mount overlay")
-        for source, point in stages:
-            _check(_libc.mount(source, point, None, MS_BIND | MS_REC, None), "stage bind")
-        ready_r, ready_w = os.pipe()
-        helper = os.fork()
-        if helper == 0:  # still outside the new user namespace: allowed to write its map
-            os.close(ready_w)
-            os.read(ready_r, 1)
-            try:
-                _map_ids_of(os.getppid())
-            except OSError:
-                os._exit(1)
-            os._exit(0)
-        os.close(ready_r)
-        _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
-        os.close(ready_w)  # EOF tells the helper we have unshared
-        _, status = os.waitpid(helper, 0)
-        if status != 0:
-            raise OSError("could not write the sandbox uid map")
-        os.setresgid(0, 0, 0)
-        os.setresuid(0, 0, 0)
-        os.setgroups([])
-
-    return child
+    return {
+        "options": f"lowerdir={lower},upperdir={spec.upper},workdir={spec.work},userxattr",
+        "merged": str(spec.merged),
+        "stages": [[str(b.source), str(staged(spec, i))] for i, b in enumerate(spec.binds)],
+    }
 
 
 def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int) -> list[str]:
@@ -203,10 +147,232 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int) -> list[str]:
     return [*argv, "--", *KEEPALIVE]
 
 
+class SandboxProcess:
+    """A process the spawner started for us: pid, exit code, kill and wait.
+
+    Its state changes only on the event loop that started it, so `kill()` never signals
+    through a closed pidfd (and never hits a recycled pid: it signals via the pidfd).
+    """
+
+    def __init__(self, pid: int, pidfd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd: int | None = pidfd
+        self._done: asyncio.Future[int] = loop.create_future()
+
+    def kill(self) -> None:
+        if self.returncode is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._done)
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._close()
+        if not self._done.done():
+            self._done.set_result(code)
+
+    def _close(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop is closed
+        return False
+    return True
+
+
+class Spawner:
+    """Client of the spawner process (`backends/sandbox/zygote.py`); one per owner process."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(_ZYGOTE), str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+            )
+        self.sock = ours
+        self.owner = os.getpid()
+        self.dead = False
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[SandboxProcess]]]
+        self._pending = {}
+        self._procs: dict[int, tuple[asyncio.AbstractEventLoop, SandboxProcess]] = {}
+        threading.Thread(target=self._read, name="sandbox-spawner", daemon=True).start()
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        fds: Sequence[int],
+        cgroup_procs: Sequence[str],
+        boot: dict[str, object] | None = None,
+    ) -> SandboxProcess:
+        """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
+
+        Raises:
+            OSError: the spawner is gone, or the child failed before exec (message says why).
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[SandboxProcess] = loop.create_future()
+        rid = next(self._ids)
+        req = {
+            "id": rid,
+            "argv": list(argv),
+            "env": env,
+            "fds": list(range(len(fds))),
+            "cgroups": list(cgroup_procs),
+            "boot": boot,
+            "uid_map": f"0 {UID_BASE} {UID_COUNT}\n",
+        }
+        with self._lock:
+            if self.dead:
+                raise OSError("the sandbox spawner process is gone")
+            self._pending[rid] = (loop, fut)
+        socket.send_fds(self.sock, [json.dumps(req).encode()], list(fds))
+        return await fut
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                break
+            msg = json.loads(data)
+            if "id" in msg:
+                loop, fut = self._pending.pop(msg["id"])
+                if "pid" in msg:
+                    proc = SandboxProcess(msg["pid"], fds[0], loop)
+                    self._procs[proc.pid] = (loop, proc)
+                    if not _on_loop(loop, _deliver, fut, proc):
+                        os.close(fds[0])
+                else:
+                    _on_loop(loop, _fail, fut, OSError(msg["error"]))
+            else:
+                loop, proc = self._procs.pop(msg["exit"])
+                if not _on_loop(loop, proc._exited, msg["code"]):
+                    proc._close()
+        with self._lock:
+            self.dead = True
+        for loop, fut in self._pending.values():
+            _on_loop(loop, _fail, fut, OSError("the sandbox spawner process died"))
+        for loop, proc in self._procs.values():
+            _on_loop(loop, proc._exited, -signal.SIGKILL)
+        self.proc.wait()
+
+
+def _deliver(fut: asyncio.Future[SandboxProcess], proc: SandboxProcess) -> None:
+    if fut.done():  # the caller gave up (cancelled): do not leave the process running
+        proc.kill()
+    else:
+        fut.set_result(proc)
+
+
+def _fail(fut: asyncio.Future[SandboxProcess], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+_spawner: Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def spawner() -> Spawner:
+    """The spawner of this process, started on first use (and again if it died)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner.dead or _spawner.owner != os.getpid():
+            _spawner = Spawner()
+        return _spawner
+
+
+async def read_fd(
+    fd: int, until: Callable[[bytes], bool] | None = None, sink: bytearray | None = None
+) -> bytes:
+    """Read a pipe on the event loop until EOF (or until `until(data)`).
+
+    What arrived is also in `sink` (when given), so a cancelled read keeps its data.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    buf = bytearray() if sink is None else sink
+    os.set_blocking(fd, False)
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        buf.extend(chunk)
+        if not chunk or (until is not None and until(bytes(buf))):
+            loop.remove_reader(fd)
+            if not done.done():
+                done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+    return bytes(buf)
+
+
+async def write_fd(fd: int, data: bytes) -> None:
+    """Write all of data to a non-blocking pipe (stops quietly if the reader went away)."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            n = 0
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        view = view[n:]
+        if view:
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(fd, _set_done, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_writer(fd)
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclass
 class Booted:
-    process: asyncio.subprocess.Process
+    process: SandboxProcess
     init_pid: int  # host pid of the sandbox's pid 1: nsenter's target
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
+
+
+INFO_FD = 3
 
 
 async def boot(spec: BootSpec) -> Booted:
@@ -216,53 +382,41 @@ async def boot(spec: BootSpec) -> Booted:
         SandboxStartError: bwrap or the namespace setup failed; the message holds its stderr.
     """
     bwrap, _ = require_host()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
     info_r, info_w = os.pipe()
+    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *bwrap_argv(bwrap, spec, info_w),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            pass_fds=(info_w,),
-            preexec_fn=_boot_child(spec),
-        )
-    except (OSError, ValueError) as e:
-        os.close(info_r)
-        raise SandboxStartError(f"could not start bubblewrap: {e}") from e
-    finally:
-        os.close(info_w)
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = await proc.stdout.readline()
-        if line.strip() != b"ready":
-            await proc.wait()
-            err = (await proc.stderr.read()).decode(errors="replace").strip()
-            raise SandboxStartError(
-                f"sandbox failed to boot (exit {proc.returncode}): {err or 'no output'}"
-            )
-        info = await asyncio.to_thread(_read_info, info_r)
-    except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await asyncio.shield(proc.wait())
-        raise
-    finally:
-        os.close(info_r)
-    return Booted(process=proc, init_pid=int(info["child-pid"]))
-
-
-def _read_info(fd: int) -> dict[str, int]:
-    data = b""
-    while True:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
         try:
-            return json.loads(data)
-        except ValueError:
-            continue
-    return json.loads(data)
+            proc = await spawner().spawn(
+                bwrap_argv(bwrap, spec, INFO_FD),
+                env=dict(os.environ),
+                fds=(devnull, out_w, err_w, info_w),
+                cgroup_procs=spec.cgroup_procs,
+                boot=_boot_request(spec),
+            )
+        except OSError as e:
+            raise SandboxStartError(f"could not start bubblewrap: {e}") from e
+        finally:
+            for fd in (devnull, out_w, err_w, info_w):
+                os.close(fd)
+        try:
+            line = await read_fd(out_r, lambda b: b"\n" in b)
+            if line.strip() != b"ready":
+                await proc.wait()
+                err = (await read_fd(err_r)).decode(errors="replace").strip()
+                raise SandboxStartError(
+                    f"sandbox failed to boot (exit {proc.returncode}): {err or 'no output'}"
+                )
+            info = json.loads(await read_fd(info_r, _parses))
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+    finally:
+        for fd in (out_r, err_r, info_r):
+            os.close(fd)
+    return Booted(process=proc, init_pid=int(info["child-pid"]))
 
 
 def nsenter_argv(
@@ -272,15 +426,6 @@ def nsenter_argv(
     cmd.append(f"--wd={cwd}" if cwd else "-w")
     cmd += ["-S", str(uid), "-G", str(gid), "--", *argv]
     return cmd
-
-
-def join_cgroups_hook(files: Sequence[str]) -> Callable[[], None]:
-    files = list(files)
-
-    def child() -> None:
-        _join_cgroups(files)
-
-    return child
 
 
 def host_id(sandbox_id: int) -> int:

@@ -9,7 +9,6 @@ the sandbox's own mount namespace, and `reap_orphans()` removes the rest on the 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -202,72 +201,94 @@ class BwrapSandbox:
         if booted is None or booted.process.returncode is not None:
             raise SandboxNotRunningError(f"sandbox {self.name} is not running")
         group = f"x{next(self._exec_ids)}"
-        await anyio.to_thread.run_sync(self.cgroup.new_exec_group, group)
+        self.cgroup.new_exec_group(group)
         full_env = {"PATH": DEFAULT_PATH, **self.spec.env, "HOME": user.home, **(env or {})}
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        if stdin is not None:
+            in_r, in_w = os.pipe()
+        else:
+            in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
+        ours = _Fds(out_r, err_r, in_w)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *launcher.nsenter_argv(
-                    self._nsenter, booted.init_pid, argv, uid=user.uid, gid=user.gid, cwd=None
-                ),
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=full_env,
-                preexec_fn=launcher.join_cgroups_hook(self.cgroup.procs_files(group)),
-            )
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.cgroup.drop_exec_group, group)
-            raise
-        try:
-            with anyio.fail_after(timeout):
-                return await _collect(proc, stdin)
-        except TimeoutError:
-            raise ExecTimeoutError(
-                f"command timed out after {timeout} seconds and was killed: {shlex.join(argv)}"
-            ) from None
+            try:
+                proc = await launcher.spawner().spawn(
+                    launcher.nsenter_argv(
+                        self._nsenter, booted.init_pid, argv, uid=user.uid, gid=user.gid, cwd=None
+                    ),
+                    env=full_env,
+                    fds=(in_r, out_w, err_w),
+                    cgroup_procs=self.cgroup.procs_files(group),
+                )
+            finally:
+                for fd in (in_r, out_w, err_w):
+                    os.close(fd)
+            try:
+                with anyio.fail_after(timeout):
+                    return await _collect(proc, ours, stdin)
+            except TimeoutError:
+                raise ExecTimeoutError(
+                    f"command timed out after {timeout} seconds and was killed: {shlex.join(argv)}"
+                ) from None
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if proc.returncode is None:
+                        await anyio.to_thread.run_sync(self.cgroup.kill, group)
+                        await proc.wait()
         finally:
-            with anyio.CancelScope(shield=True):
-                if proc.returncode is None:
-                    await anyio.to_thread.run_sync(self.cgroup.kill, group)
-                    await proc.wait()
-                await anyio.to_thread.run_sync(self.cgroup.drop_exec_group, group)
+            ours.close_all()
+            self.cgroup.drop_exec_group(group)
 
 
-async def _collect(proc: asyncio.subprocess.Process, stdin: bytes | None) -> RunResult:
-    out: list[bytes] = []
-    err: list[bytes] = []
+class _Fds:
+    """Our ends of an exec's pipes; each is closed exactly once."""
+
+    def __init__(self, out_r: int, err_r: int, in_w: int | None) -> None:
+        self.out_r, self.err_r, self.in_w = out_r, err_r, in_w
+        self._open = {fd for fd in (out_r, err_r, in_w) if fd is not None}
+
+    def close(self, fd: int) -> None:
+        if fd in self._open:
+            self._open.discard(fd)
+            os.close(fd)
+
+    def close_all(self) -> None:
+        for fd in list(self._open):
+            self.close(fd)
+
+
+async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None) -> RunResult:
+    out = bytearray()
+    err = bytearray()
     streams_done = [anyio.Event(), anyio.Event()]
 
-    async def pump(stream: asyncio.StreamReader | None, sink: list[bytes], done: anyio.Event):
+    async def pump(fd: int, sink: bytearray, done: anyio.Event) -> None:
         try:
-            if stream is not None:
-                while chunk := await stream.read(65536):
-                    sink.append(chunk)
+            await launcher.read_fd(fd, sink=sink)
         finally:
             done.set()
 
-    async def feed() -> None:
-        assert proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(stdin or b"")
-            await proc.stdin.drain()
-        proc.stdin.close()
+    async def feed(fd: int) -> None:
+        try:
+            await launcher.write_fd(fd, stdin or b"")
+        finally:
+            fds.close(fd)
 
     async with anyio.create_task_group() as tg:
-        if stdin is not None:
-            tg.start_soon(feed)
-        tg.start_soon(pump, proc.stdout, out, streams_done[0])
-        tg.start_soon(pump, proc.stderr, err, streams_done[1])
+        if fds.in_w is not None:
+            tg.start_soon(feed, fds.in_w)
+        tg.start_soon(pump, fds.out_r, out, streams_done[0])
+        tg.start_soon(pump, fds.err_r, err, streams_done[1])
         code = await proc.wait()
         # Background children may hold the pipes open; take what comes quickly, then go.
-        with anyio.move_on_after(DRAIN_GRACE_SEC):
-            for done in streams_done:
-                await done.wait()
+        if not (streams_done[0].is_set() and streams_done[1].is_set()):
+            with anyio.move_on_after(DRAIN_GRACE_SEC):
+                for done in streams_done:
+                    await done.wait()
         tg.cancel_scope.cancel()
     # Killed by a signal (the OOM killer may take nsenter with its child): report it the way
     # shells and docker do, 128 + signal number.
-    return RunResult(code if code >= 0 else 128 - code, b"".join(out), b"".join(err))
+    return RunResult(code if code >= 0 else 128 - code, bytes(out), bytes(err))
 
 
 def _start_time(pid: int) -> str:

@@ -100,7 +100,10 @@ async def test_stop_kills_daemons_and_leaves_nothing(provider: Provider, tmp_pat
     res = await env.exec("setsid nohup sleep 4242 >/dev/null 2>&1 & echo started")
     assert res.stdout == "started\n"
     box = env._box  # type: ignore[attr-defined]
-    assert any(_cmdline(p) == "sleep 4242" for p in box.cgroup.members())
+    deadline = time.monotonic() + 5  # the daemon may still be exec'ing when echo returns
+    while not any(_cmdline(p) == "sleep 4242" for p in box.cgroup.members()):
+        assert time.monotonic() < deadline, "the daemon is not in the sandbox's cgroup"
+        await anyio.sleep(0.01)
     await env.stop(delete=True)
     assert not _host_processes("sleep 4242")
     assert not _leftovers(box)
@@ -195,7 +198,11 @@ anyio.run(main)
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
     name = owner.stdout.readline().strip()
-    assert name and _host_processes("sleep 4343")
+    assert name
+    deadline = time.monotonic() + 5  # the daemon may still be exec'ing
+    while not _host_processes("sleep 4343"):
+        assert time.monotonic() < deadline, "the daemon never started"
+        time.sleep(0.01)
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
     deadline = time.monotonic() + 5

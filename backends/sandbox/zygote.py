@@ -1,0 +1,235 @@
+"""The spawner: a small, single-threaded root process that forks sandbox processes cheaply.
+
+Why: a process must join its cgroups, and the sandbox's pid 1 must get its mount namespace,
+overlay and uid-mapped user namespace, *between fork and exec*. Done with `preexec_fn` in the
+owning interpreter, that costs a full fork of a large, multi-threaded process (tens of ms on
+a busy VM, twice per boot because the uid map needs a helper outside the new namespace).
+This process imports only the standard library's basics, so its fork is cheap, and it
+writes the uid map itself, so a boot forks once.
+
+It is run as `python -I -S zygote.py FD` by `backends.sandbox.launcher`, talks over the
+SOCK_SEQPACKET socket FD, and exits when the other end closes (its owner died or is done);
+every bwrap it started has `--die-with-parent` and dies with it.
+
+Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
+
+- request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
+  files], "boot": null | {"options", "merged", "stages": [[source, point], ...]}, "uid_map"}`
+  with the fds to install at those numbers (every other fd is closed);
+- reply `{"id", "pid"}` with a pidfd once the child has exec'd, or `{"id", "error"}`;
+- later `{"exit": pid, "code": returncode}` (negative: killed by that signal).
+
+Nothing here may import the project: it runs with `-I -S`, standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+MS_NODEV = 4
+MS_BIND = 4096
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MAX_FDS = 16
+HIGH_FD = 100  # scratch fd numbers while installing the requested ones
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _write_file(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
+    """In the forked child: join cgroups, set up namespaces, install fds, exec. Never returns."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        pid = str(os.getpid()).encode()
+        # First, before anything can fork: every descendant stays inside the limits.
+        for f in req["cgroups"]:
+            _write_file(f, pid)
+        boot = req.get("boot")
+        if boot:
+            # Still host root, in a private mount namespace: mount the overlay and stage
+            # the binds, so sources the sandbox uid could not traverse (e.g. /root) work.
+            _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")
+            _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+            _check(
+                _libc.mount(
+                    b"overlay", boot["merged"].encode(), b"overlay", MS_NODEV,
+                    boot["options"].encode(),
+                ),
+                "mount overlay",
+            )  # fmt: skip
+            for source, point in boot["stages"]:
+                _check(
+                    _libc.mount(source.encode(), point.encode(), None, MS_BIND | MS_REC, None),
+                    f"stage bind {source}",
+                )
+            _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
+            os.write(err_w, b"U")  # the spawner, outside, writes our uid/gid map
+            if os.read(go_r, 1) != b"G":
+                raise OSError("could not write the sandbox uid map")
+            os.setresgid(0, 0, 0)
+            os.setresuid(0, 0, 0)
+            os.setgroups([])
+        # Install the requested fds: first out of the way, then at their numbers.
+        high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for f in fds]
+        err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
+        for target, f in zip(req["fds"], high, strict=True):
+            os.dup2(f, target, inheritable=True)
+        top = max(req["fds"], default=-1)
+        os.closerange(top + 1, err_w)
+        os.closerange(err_w + 1, 1 << 16)
+        argv = req["argv"]
+        os.execve(argv[0], argv, req["env"])
+    except BaseException as e:
+        try:
+            os.write(err_w, b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
+        finally:
+            os._exit(127)
+
+
+class _Child:
+    __slots__ = ("err_r", "error", "go_w", "pidfd", "replied", "req_id", "uid_map")
+
+    def __init__(self, req_id: int, err_r: int, go_w: int, pidfd: int, uid_map: str) -> None:
+        self.req_id = req_id
+        self.err_r: int | None = err_r
+        self.go_w = go_w
+        self.pidfd = pidfd
+        self.error = b""
+        self.replied = False
+        self.uid_map = uid_map
+
+
+class Spawner:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(sock, selectors.EVENT_READ, ("ctl", 0))
+        self.children: dict[int, _Child] = {}
+
+    def send(self, msg: dict, fds: list[int] | None = None) -> None:
+        data = json.dumps(msg).encode()
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.send(data)
+        except OSError:
+            os._exit(0)  # the owner is gone
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                kind, pid = key.data
+                if kind == "ctl":
+                    self.request()
+                elif kind == "err":
+                    self.child_said(pid)
+                else:
+                    self.reap(pid)
+
+    def request(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, MAX_FDS)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            os._exit(0)  # owner closed the socket or died
+        req = json.loads(data)
+        err_r, err_w = os.pipe()
+        go_r, go_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for f in (*fds, err_r, err_w, go_r, go_w):
+                os.close(f)
+            self.send({"id": req["id"], "error": f"fork: {e}"})
+            return
+        if pid == 0:
+            _child(req, fds, err_w, go_r)
+        for f in (*fds, err_w, go_r):
+            os.close(f)
+        pidfd = os.pidfd_open(pid)
+        self.children[pid] = _Child(req["id"], err_r, go_w, pidfd, req.get("uid_map", ""))
+        self.sel.register(err_r, selectors.EVENT_READ, ("err", pid))
+        self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+
+    def child_said(self, pid: int) -> None:
+        c = self.children[pid]
+        assert c.err_r is not None
+        data = os.read(c.err_r, 65536)
+        if data.startswith(b"U") and not c.error:
+            data = data[1:]
+            answer = b"G"
+            try:
+                for name in ("uid_map", "gid_map"):
+                    _write_file(f"/proc/{pid}/{name}", c.uid_map.encode())
+            except OSError:
+                answer = b"X"
+            try:
+                os.write(c.go_w, answer)
+            except OSError:
+                pass  # the child died; its exit is reported as usual
+        c.error += data
+        if data == b"":
+            self.finish_start(pid, c)
+
+    def finish_start(self, pid: int, c: _Child) -> None:
+        """The child exec'd (or died trying): answer the request."""
+        assert c.err_r is not None
+        self.sel.unregister(c.err_r)
+        os.close(c.err_r)
+        os.close(c.go_w)
+        c.err_r = None
+        if c.error:
+            msg = c.error[1:] if c.error.startswith(b"E") else c.error
+            self.send({"id": c.req_id, "error": msg.decode(errors="replace")})
+        else:
+            c.replied = True
+            self.send({"id": c.req_id, "pid": pid}, [c.pidfd])
+
+    def reap(self, pid: int) -> None:
+        c = self.children.pop(pid)
+        if c.err_r is not None:  # the child is dead, so its end is closed: read to EOF
+            self.children[pid] = c
+            while c.err_r is not None:
+                self.child_said(pid)
+            del self.children[pid]
+        _, status = os.waitpid(pid, 0)
+        self.sel.unregister(c.pidfd)
+        os.close(c.pidfd)
+        if c.replied:
+            self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides; EOF ends us
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    Spawner(sock).run()
+
+
+if __name__ == "__main__":
+    main()
