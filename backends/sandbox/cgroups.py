@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
+
 from backends.sandbox.errors import HostPrerequisiteError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -217,6 +219,30 @@ class SandboxCgroup:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.005)
+
+    def start_kill(self) -> bool:
+        """SIGKILL the whole sandbox through `cgroup.kill`, without waiting; False: no such file."""
+        if self.v2_dir is None or not self.layout.can_kill_tree:
+            return False
+        with contextlib.suppress(FileNotFoundError):  # never created: nothing runs in it
+            _write(self.v2_dir / "cgroup.kill", "1")
+        return True
+
+    async def wait_empty(self, limit_sec: float = 5.0) -> None:
+        """Wait (on the event loop) until no process is left in the sandbox's v2 group."""
+        if self.v2_dir is None:
+            return
+        events = self.v2_dir / "cgroup.events"
+        deadline = time.monotonic() + limit_sec
+        delay = 0.0002
+        while time.monotonic() < deadline:
+            try:
+                if "populated 0" in events.read_text():
+                    return
+            except FileNotFoundError:
+                return
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.005)
 
     def members(self) -> list[int]:
         return [p for d in self._dirs for p in _members(d)]

@@ -30,9 +30,11 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
@@ -181,6 +183,14 @@ class SandboxProcess:
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> bool:
+    """Run fn on `loop`: now if that is the loop we are on, else soon (False: loop closed)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fn(*args)
+        return True
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that loop is closed
@@ -200,6 +210,7 @@ class Spawner:
                 pass_fds=(theirs.fileno(),),
             )
         self.sock = ours
+        self.sock.setblocking(False)
         self.owner = os.getpid()
         self.dead = False
         self._ids = itertools.count()
@@ -207,7 +218,9 @@ class Spawner:
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[SandboxProcess]]]
         self._pending = {}
         self._procs: dict[int, tuple[asyncio.AbstractEventLoop, SandboxProcess]] = {}
-        threading.Thread(target=self._read, name="sandbox-spawner", daemon=True).start()
+        # Replies are read on the event loops themselves (a reader thread would wait for
+        # the GIL, up to the 5 ms switch interval, on every message).
+        self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
     async def spawn(
         self,
@@ -235,42 +248,70 @@ class Spawner:
             "boot": boot,
             "uid_map": f"0 {UID_BASE} {UID_COUNT}\n",
         }
+        data = json.dumps(req).encode()
         with self._lock:
             if self.dead:
                 raise OSError("the sandbox spawner process is gone")
+            if loop not in self._loops:
+                self._loops.add(loop)
+                loop.add_reader(self.sock.fileno(), self._readable)
             self._pending[rid] = (loop, fut)
-        socket.send_fds(self.sock, [json.dumps(req).encode()], list(fds))
+        while True:
+            try:
+                socket.send_fds(self.sock, [data], list(fds))
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+            except OSError:
+                self._pending.pop(rid, None)
+                raise
         return await fut
 
-    def _read(self) -> None:
+    def _readable(self) -> None:
         while True:
             try:
                 data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
+            except BlockingIOError:
+                return
             except OSError:
                 data, fds = b"", []
             if not data:
-                break
-            msg = json.loads(data)
-            if "id" in msg:
-                loop, fut = self._pending.pop(msg["id"])
-                if "pid" in msg:
-                    proc = SandboxProcess(msg["pid"], fds[0], loop)
-                    self._procs[proc.pid] = (loop, proc)
-                    if not _on_loop(loop, _deliver, fut, proc):
-                        os.close(fds[0])
-                else:
-                    _on_loop(loop, _fail, fut, OSError(msg["error"]))
+                self._died()
+                return
+            self._dispatch(json.loads(data), fds)
+
+    def _dispatch(self, msg: dict[str, Any], fds: list[int]) -> None:
+        if "id" in msg:
+            loop, fut = self._pending.pop(msg["id"])
+            if "pid" in msg:
+                proc = SandboxProcess(msg["pid"], fds[0], loop)
+                self._procs[proc.pid] = (loop, proc)
+                if not _on_loop(loop, _deliver, fut, proc):
+                    os.close(fds[0])
             else:
-                loop, proc = self._procs.pop(msg["exit"])
-                if not _on_loop(loop, proc._exited, msg["code"]):
-                    proc._close()
+                _on_loop(loop, _fail, fut, OSError(msg["error"]))
+        else:
+            loop, proc = self._procs.pop(msg["exit"])
+            if not _on_loop(loop, proc._exited, msg["code"]):
+                proc._close()
+
+    def _died(self) -> None:
         with self._lock:
+            if self.dead:
+                return
             self.dead = True
+            loops = list(self._loops)
+        for loop in loops:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                _on_loop(loop, loop.remove_reader, self.sock.fileno())
         for loop, fut in self._pending.values():
             _on_loop(loop, _fail, fut, OSError("the sandbox spawner process died"))
         for loop, proc in self._procs.values():
             _on_loop(loop, proc._exited, -signal.SIGKILL)
-        self.proc.wait()
+        self._pending.clear()
+        self._procs.clear()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(1)
 
 
 def _deliver(fut: asyncio.Future[SandboxProcess], proc: SandboxProcess) -> None:

@@ -55,12 +55,40 @@ def layers_dir() -> Path:
     return cache_dir() / "layers"
 
 
+_base_images: dict[str, tuple[tuple[int, int], Image]] = {}
+
+
+def _marker_stamp(image: Image) -> tuple[int, int]:
+    st = (image.rootfs / rootfs.MARKER).stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def cached_base_image(image: str) -> Image | None:
+    """`base_image(image)` if this process resolved it before and the rootfs is unchanged."""
+    hit = _base_images.get(image)
+    if hit is None:
+        return None
+    stamp, found = hit
+    try:
+        if _marker_stamp(found) == stamp:
+            return Image(source=found.source, rootfs=found.rootfs, key=found.key)
+    except OSError:
+        pass
+    return None
+
+
 def base_image(image: str) -> Image:
     """The image for a `docker_image` or `FROM` line, served from the substitution table.
 
     Raises:
         BaseImageNotFoundError: no substitute for the image.
     """
+    found = _base_image(image)
+    _base_images[image] = (_marker_stamp(found), found)
+    return Image(source=found.source, rootfs=found.rootfs, key=found.key)
+
+
+def _base_image(image: str) -> Image:
     sub = rootfs.resolve_image(image)
     path = rootfs.ensure_rootfs(sub.rootfs)
     if sub.note and image not in _warned:

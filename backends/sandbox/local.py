@@ -201,8 +201,12 @@ class LocalSandbox(BaseEnvironment):
         dockerfile = self.environment_dir / "Dockerfile"
         if dockerfile.exists():
             return await layers.build(self.environment_dir, network=self._build_network)
-        assert self.task_env_config.docker_image  # _validate_definition guarantees one
-        return await anyio.to_thread.run_sync(layers.base_image, self.task_env_config.docker_image)
+        image = self.task_env_config.docker_image
+        assert image  # _validate_definition guarantees one
+        cached = layers.cached_base_image(image)
+        if cached is not None:
+            return cached
+        return await anyio.to_thread.run_sync(layers.base_image, image)
 
     def _binds(self) -> list[Bind]:
         binds = list(self._extra_binds)

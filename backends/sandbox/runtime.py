@@ -9,12 +9,13 @@ the sandbox's own mount namespace, and `reap_orphans()` removes the rest on the 
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import itertools
 import logging
 import os
 import shlex
 import shutil
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,12 +94,13 @@ class BwrapSandbox:
             SandboxStartError: the namespaces, overlay or bwrap failed (message says why).
         """
         _, self._nsenter = launcher.require_host()
-        await anyio.to_thread.run_sync(self._prepare)
         try:
+            # A few mkdirs and cgroup writes: cheaper inline than a hop to a worker thread.
+            self._prepare()
             self._booted = await launcher.boot(self._boot_spec())
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._cleanup)
+                await self._teardown(None)
             raise
 
     def _boot_spec(self) -> launcher.BootSpec:
@@ -145,17 +147,20 @@ class BwrapSandbox:
         """
         with anyio.CancelScope(shield=True):
             booted, self._booted = self._booted, None
-            await anyio.to_thread.run_sync(self.cgroup.kill)
-            if booted is not None and booted.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    booted.process.kill()
-            if booted is not None:
-                await booted.process.wait()
-            await anyio.to_thread.run_sync(self._cleanup)
+            await self._teardown(booted)
+
+    async def _teardown(self, booted: launcher.Booted | None) -> None:
+        if not self.cgroup.start_kill():
+            await anyio.to_thread.run_sync(self.cgroup.kill)  # no cgroup.kill on this host
+        if booted is not None:
+            booted.process.kill()
+            await booted.process.wait()
+        await self.cgroup.wait_empty()
+        self._cleanup()
 
     def _cleanup(self) -> None:
         self.cgroup.remove()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        _discard(self.dir)
 
     async def resolve_user(self, user: str | int | None) -> User:
         """uid, gid and home of a user of this sandbox (looked up inside, then cached)."""
@@ -291,6 +296,55 @@ async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None
     return RunResult(code if code >= 0 else 128 - code, bytes(out), bytes(err))
 
 
+TRASH = ".trash"  # run-dir entry holding stopped sandboxes' directories until deleted
+_trash_lock = threading.Lock()
+_trash: list[Path] = []
+
+
+def _discard(path: Path) -> None:
+    """Remove a stopped sandbox's directory: renamed away now, deleted by a worker thread.
+
+    The rename is atomic and cheap; deleting an upper layer full of files is not, and
+    nothing needs to wait for it. What a crash leaves in the trash `reap_orphans` removes.
+    """
+    trash = path.parent / TRASH
+    try:
+        trash.mkdir(exist_ok=True)
+        target = trash / f"{path.name}-{uuid.uuid4().hex[:8]}"
+        path.rename(target)
+    except FileNotFoundError:
+        return
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with _trash_lock:
+        _trash.append(target)
+        if len(_trash) == 1:
+            threading.Thread(target=_empty_trash, name="sandbox-trash", daemon=True).start()
+
+
+def _empty_trash() -> None:
+    while True:
+        with _trash_lock:
+            if not _trash:
+                return
+            target = _trash[0]
+        shutil.rmtree(target, ignore_errors=True)
+        with _trash_lock:
+            _trash.pop(0)
+
+
+def flush_trash() -> None:
+    """Delete discarded sandbox directories now (also run at interpreter exit)."""
+    with _trash_lock:
+        pending = list(_trash)
+    for target in pending:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+atexit.register(flush_trash)
+
+
 def _start_time(pid: int) -> str:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -320,7 +374,14 @@ def reap_orphans() -> list[str]:
     base = run_dir()
     names = set(cgroups.stale_groups())
     if base.is_dir():
-        names.update(p.name for p in base.iterdir() if p.is_dir())
+        names.update(p.name for p in base.iterdir() if p.is_dir() and p.name != TRASH)
+        trash = base / TRASH
+        if trash.is_dir():
+            with _trash_lock:
+                busy = set(_trash)
+            for p in trash.iterdir():
+                if p not in busy:  # ours being deleted, or left by a dead process
+                    shutil.rmtree(p, ignore_errors=True)
     for name in sorted(names):
         owner = base / name / "owner"
         try:
