@@ -18,6 +18,7 @@ cancels and finishes every rollout it started.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -27,14 +28,13 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
 import anyio
-from anyio.abc import TaskGroup
 from pydantic import ValidationError
 
 from backends.rollout.artifacts import ENV_HOME, default_rollout_root
@@ -83,8 +83,8 @@ class _Rollout:
     rollout_id: str
     lease_sha256: str
     lease_deadline: float = 0.0  # monotonic; renewed by every poll
-    done: anyio.Event = field(default_factory=anyio.Event)  # set once the result is durable
-    body: bytes | None = None  # the final result, as served
+    body: bytes | None = None  # the final result, as served (set once it is durable)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # long polls
     status: RolloutStatus = RolloutStatus.QUEUED
     finished_at: float | None = None  # wall clock, for retention
     scope: anyio.CancelScope | None = None
@@ -147,7 +147,8 @@ class RolloutServer:
         self._active: dict[str, _Rollout] = {}
         self._keys: dict[str, str] = {}  # in memory only, while the rollout runs
         self._finished: deque[tuple[float, str]] = deque()
-        self._tg: TaskGroup | None = None
+        self._tasks = _Tasks()
+        self._running = False
         self._accepting = False
         self._drain_requested = anyio.Event()
         self._drained = anyio.Event()
@@ -174,21 +175,25 @@ class RolloutServer:
         started = False
         try:
             self._open()  # outside the task group, so a failure reads plainly
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                self._accepting = True
-                tg.start_soon(self._sweep)
-                tg.start_soon(self._drain_on_request)
-                if self.preview_root is not None:
-                    from backends.server.previews import publish_previews
+            try:
+                async with anyio.create_task_group() as tg:
+                    self._running = self._accepting = True
+                    tg.start_soon(self._sweep)
+                    tg.start_soon(self._drain_on_request)
+                    if self.preview_root is not None:
+                        from backends.server.previews import publish_previews
 
-                    tg.start_soon(publish_previews, self)
-                started = True
-                await send({"type": "lifespan.startup.complete"})
-                await receive()  # lifespan.shutdown
-                # HTTP has stopped by now: nobody could collect results, so no lingering.
-                await self.drain(linger=False)
-                tg.cancel_scope.cancel()
+                        tg.start_soon(publish_previews, self)
+                    started = True
+                    await send({"type": "lifespan.startup.complete"})
+                    await receive()  # lifespan.shutdown
+                    # HTTP has stopped by now: nobody could collect results, so no lingering.
+                    await self.drain(linger=False)
+                    tg.cancel_scope.cancel()
+            finally:
+                self._running = self._accepting = False
+                with anyio.CancelScope(shield=True):
+                    await self._tasks.aclose()
             await self._store.aclose()
         except BaseException as exc:
             await self._store.aclose()
@@ -205,7 +210,7 @@ class RolloutServer:
         try:
             if self._api_key is not None:
                 self._authorize(scope)
-            if self._tg is None:
+            if not self._running:
                 raise ProtocolError(503, "the server is not running (ASGI lifespan not started)")
             if path == "/rollout":
                 _allow(method, "POST")
@@ -267,10 +272,9 @@ class RolloutServer:
         entry = _Rollout(rid, lease_sha, time.monotonic() + self.polling_lease_timeout_sec)
         self._rollouts[rid] = entry
         self._active[rid] = entry
-        assert self._tg is not None
         if request.api_key and self.preview_root is not None:
             self._keys[rid] = request.api_key
-        self._tg.start_soon(self._run, entry, request)
+        self._tasks.start(self._run(entry, request))
         try:
             await self._store.accept(rid, lease_sha, time.time(), _request_json(request))
         except Exception:
@@ -385,7 +389,10 @@ class RolloutServer:
         self._active.pop(entry.rollout_id, None)
         self._keys.pop(entry.rollout_id, None)
         self._finished.append((finished_at, entry.rollout_id))
-        entry.done.set()
+        waiters, entry.waiters = entry.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- GET /rollout/{id}/result ----------------------------------------------------------
 
@@ -403,8 +410,7 @@ class RolloutServer:
             if scope["query_string"]:
                 wait = _wait_param(scope["query_string"], wait)
             entry.lease_deadline = time.monotonic() + self.polling_lease_timeout_sec
-            with anyio.move_on_after(wait):
-                await entry.done.wait()
+            await _wait_for_result(entry, wait)
             entry.lease_deadline = time.monotonic() + self.polling_lease_timeout_sec
         if entry.body is not None:
             entry.delivered = True
@@ -535,7 +541,6 @@ class RolloutServer:
             entry.body = (row.result or "{}").encode()
             entry.status = RolloutStatus(row.status)
             entry.finished_at = row.finished_at
-            entry.done.set()
             self._rollouts[row.rollout_id] = entry
             self._finished.append((row.finished_at or time.time(), row.rollout_id))
 
@@ -616,6 +621,56 @@ def create_rollout_server(*, backend: ExecutionBackend, **options: Any) -> Rollo
 
 
 # -- small helpers --------------------------------------------------------------------------
+
+
+class _Tasks:
+    """The rollouts' tasks, owned by the lifespan as a task group would own them: nothing
+    outlives the app, and ``aclose`` cancels every task still running and waits for its
+    ``finally``. A task that fails is logged; it does not take the server down.
+
+    Not an anyio task group because spawning into one costs 40-80 us of CPU per task since
+    anyio 4.14 (each task gets a handle with its own cancel scope and event); at a thousand
+    rollouts a second that alone is a tenth of a core. A plain asyncio task costs about 8 us.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("rollout task failed", exc_info=exc)
+
+    async def aclose(self) -> None:
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+
+
+async def _wait_for_result(entry: _Rollout, wait_sec: float) -> None:
+    # A bare future and a timer: a tenth of the cost of an anyio event in a cancel scope.
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+    entry.waiters.append(waiter)
+    timer = loop.call_later(wait_sec, _settle, waiter)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        if waiter in entry.waiters:
+            entry.waiters.remove(waiter)
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _ClientGone(Exception):

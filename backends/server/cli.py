@@ -77,6 +77,9 @@ def serve(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str
         http="httptools",
         lifespan="on",
         access_log=False,
+        # Neither is of use to a trainer, and each costs work on every response.
+        proxy_headers=False,
+        server_header=False,
         log_level=log_level,
         backlog=4096,
         timeout_graceful_shutdown=10,
