@@ -461,12 +461,23 @@ async def boot(spec: BootSpec) -> Booted:
 
 
 def nsenter_argv(
-    nsenter: str, init_pid: int, argv: Sequence[str], *, uid: int, gid: int, cwd: str | None
+    nsenter: str,
+    init_pid: int,
+    argv: Sequence[str],
+    *,
+    uid: int,
+    gid: int,
+    cwd: str | None,
+    groups: Sequence[int] = (),
 ) -> list[str]:
+    """nsenter into the sandbox as uid:gid; with supplementary groups via the image's setpriv."""
     cmd = [nsenter, "-t", str(init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-r"]
     cmd.append(f"--wd={cwd}" if cwd else "-w")
-    cmd += ["-S", str(uid), "-G", str(gid), "--", *argv]
-    return cmd
+    if not groups:
+        return [*cmd, "-S", str(uid), "-G", str(gid), "--", *argv]
+    ids = ",".join(str(g) for g in groups)
+    setpriv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={ids}", "--"]
+    return [*cmd, "-S", "0", "-G", "0", "--", *setpriv, *argv]
 
 
 def host_id(sandbox_id: int) -> int:

@@ -43,6 +43,7 @@ class User:
     uid: int
     gid: int
     home: str
+    groups: tuple[int, ...] = ()  # supplementary groups (from the sandbox's /etc/group)
 
 
 @dataclass
@@ -108,7 +109,8 @@ class BwrapSandbox:
             lowerdirs=self.spec.lowerdirs,
             upper=self.upper,
             work=self.dir / "work",
-            merged=self.dir / "merged",
+            # Every sandbox mounts its overlay here, each in its own private mount namespace.
+            merged=_shared_mount_point(),
             cgroup_procs=self.cgroup.procs_files(),
             network=self.spec.network,
             binds=self.spec.binds,
@@ -118,8 +120,7 @@ class BwrapSandbox:
     def _prepare(self) -> None:
         self.dir.mkdir(parents=True)
         (self.dir / "owner").write_text(_owner_record(os.getpid()))
-        for sub in ("work", "merged"):
-            (self.dir / sub).mkdir()
+        (self.dir / "work").mkdir()
         self.upper.mkdir(parents=True, exist_ok=True)
         for d in (self.upper, self.dir / "work"):
             os.chown(d, UID_BASE, UID_BASE)
@@ -170,10 +171,16 @@ class BwrapSandbox:
         if key in (0, "root", "0"):
             found = User(0, 0, "/root")
         else:
-            res = await self.run(["getent", "passwd", str(key)], user=User(0, 0, "/root"))
-            fields = res.stdout.decode().strip().split(":")
-            if res.return_code == 0 and len(fields) >= 6:
-                found = User(int(fields[2]), int(fields[3]), fields[5] or "/")
+            # Supplementary groups are applied with setpriv, so only when the image has it.
+            script = 'getent passwd "$0" || exit 2; id -G "$0"; command -v setpriv >/dev/null'
+            res = await self.run(["/bin/sh", "-c", script, str(key)], user=User(0, 0, "/root"))
+            lines = res.stdout.decode().splitlines()
+            fields = lines[0].split(":") if lines else []
+            if res.return_code in (0, 1) and len(fields) >= 6:
+                gid = int(fields[3])
+                extra = lines[1].split() if res.return_code == 0 and len(lines) > 1 else []
+                groups = tuple(g for g in dict.fromkeys(int(x) for x in extra) if g != gid)
+                found = User(int(fields[2]), gid, fields[5] or "/", groups)
             elif isinstance(key, int) or str(key).isdigit():
                 found = User(int(key), int(key), "/")  # like docker: numeric ids need no entry
             else:
@@ -219,7 +226,13 @@ class BwrapSandbox:
             try:
                 proc = await launcher.spawner().spawn(
                     launcher.nsenter_argv(
-                        self._nsenter, booted.init_pid, argv, uid=user.uid, gid=user.gid, cwd=None
+                        self._nsenter,
+                        booted.init_pid,
+                        argv,
+                        uid=user.uid,
+                        gid=user.gid,
+                        groups=user.groups,
+                        cwd=None,
                     ),
                     env=full_env,
                     fds=(in_r, out_w, err_w),
@@ -294,6 +307,16 @@ async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None
     # Killed by a signal (the OOM killer may take nsenter with its child): report it the way
     # shells and docker do, 128 + signal number.
     return RunResult(code if code >= 0 else 128 - code, bytes(out), bytes(err))
+
+
+MOUNT_POINT = ".mnt"
+
+
+def _shared_mount_point() -> Path:
+    point = run_dir() / MOUNT_POINT
+    if not point.is_dir():
+        point.mkdir(parents=True, exist_ok=True)
+    return point
 
 
 TRASH = ".trash"  # run-dir entry holding stopped sandboxes' directories until deleted
@@ -374,7 +397,7 @@ def reap_orphans() -> list[str]:
     base = run_dir()
     names = set(cgroups.stale_groups())
     if base.is_dir():
-        names.update(p.name for p in base.iterdir() if p.is_dir() and p.name != TRASH)
+        names.update(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
         trash = base / TRASH
         if trash.is_dir():
             with _trash_lock:

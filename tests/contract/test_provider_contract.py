@@ -38,6 +38,24 @@ async def test_exec_semantics(provider: Provider, tmp_path: Path) -> None:
         await env.stop(delete=True)
 
 
+async def test_exec_user_has_supplementary_groups(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        setup = await env.exec("groupadd -g 2001 devs && useradd -m -u 1500 -G devs alice")
+        assert setup.return_code == 0, setup.stderr
+        res = await env.exec(
+            "id -u; id -g; id -G; cat /proc/self/status | grep CapEff", user="alice"
+        )
+        uid, gid, groups, caps = res.stdout.splitlines()
+        assert (uid, gid) == ("1500", "1500")
+        assert set(groups.split()) == {"1500", "2001"}
+        assert caps.split()[1] == "0000000000000000"  # no capabilities left
+        assert (await env.exec("id -G", user="nobody")).stdout.split() == ["65534"]
+    finally:
+        await env.stop(delete=True)
+
+
 async def test_files_round_trip(provider: Provider, tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
