@@ -29,11 +29,30 @@ def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path) -> None:
     assert summary["rollouts"] == dataset_rows
     assert summary["mean_reward"] == 1.0  # the scripted policy computes arithmetic exactly
     results = [json.loads(line) for line in out.read_text().splitlines()]
+    results_by_id = {r["rollout_id"]: r for r in results}
     assert len(results) == dataset_rows
     assert all(r["status"] == "success" and r["sample"]["reward"] == 1.0 for r in results)
     # Each rollout's artifacts landed in its own directory under BACKENDS_HOME.
     replies = list((tmp_path / "rollouts").glob("row-*/artifacts/reply.txt"))
     assert len(replies) == dataset_rows
+    # Beside them, an ATIF trajectory that Harbor's validator accepts, whose agent step carries
+    # the token ids and logprobs the policy sampled, as the relay recorded them.
+    trajectory = tmp_path / "rollouts" / "row-0-0" / "trajectory.json"
+    check = subprocess.run(
+        [sys.executable, "-m", "harbor.utils.trajectory_validator", str(trajectory)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    agent_step = next(
+        s for s in json.loads(trajectory.read_text())["steps"] if s["source"] == "agent"
+    )
+    assert agent_step["message"] == results_by_id["row-0-0"]["sample"]["messages"][-1]["content"]
+    trace_call = results_by_id["row-0-0"]["extra_fields"]["policy_trace"]["calls"][0]
+    assert agent_step["metrics"]["completion_token_ids"] == trace_call["choices"][0]["token_ids"]
+    assert len(agent_step["metrics"]["logprobs"]) == len(
+        agent_step["metrics"]["completion_token_ids"]
+    )
 
 
 def test_unknown_entrypoint_is_named(tmp_path: Path) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import anyio
 import typer
@@ -13,12 +16,16 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.relay import Relay
+from backends.relay.scripted import ScriptedPolicy
 from backends.relayed import TRACE_FIELD, RelayedBackend
+from backends.rollout.artifacts import default_rollout_root
 from backends.rollout.backend import ExecutionBackend
 from backends.rollout.batch import run_batch
 from backends.rollout.dataset import DatasetError, requests_from_dataset
 from backends.rollout.loading import EntrypointError, load_object
 from backends.rollout.request import RolloutResult
+from backends.trajectory import save_trajectory
+from backends.trajectory.policy_metrics import agent_step_metrics
 
 REPO_TASKS = Path(__file__).resolve().parents[2] / "tasks"
 DEFAULT_ENTRYPOINT = str(REPO_TASKS / "rollouts" / "arithmetic" / "main.py") + ":backend"
@@ -50,6 +57,14 @@ def run_command(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write one JSON result per line here.")
     ] = None,
+    token_ids: Annotated[
+        bool | None,
+        typer.Option(
+            "--token-ids/--no-token-ids",
+            help="Ask the policy for sampled token ids and logprobs (vLLM/SGLang style); "
+            "default: on for the scripted policy only.",
+        ),
+    ] = None,
 ) -> None:
     """Run ENTRYPOINT's backend over a dataset and print each rollout's reward."""
     try:
@@ -60,56 +75,65 @@ def run_command(
         raise typer.BadParameter(
             f"{entrypoint} is a {type(backend).__name__}, not a backend", param_hint="ENTRYPOINT"
         )
+    options = _Options(
+        dataset=dataset,
+        policy_url=policy_url,
+        policy_key=policy_key,
+        samples=samples,
+        max_in_flight=max_in_flight,
+        agent_timeout=agent_timeout,
+        grader_timeout=grader_timeout,
+        output=output,
+        token_ids=token_ids if token_ids is not None else policy_url is None,
+    )
     try:
-        ok = anyio.run(
-            _run,
-            backend,
-            dataset,
-            policy_url,
-            policy_key,
-            samples,
-            max_in_flight,
-            agent_timeout,
-            grader_timeout,
-            output,
-        )
+        ok = anyio.run(_run, backend, options)
     except DatasetError as exc:
         raise typer.BadParameter(str(exc), param_hint="--dataset") from None
     raise typer.Exit(0 if ok else 1)
 
 
-async def _run(
-    backend: ExecutionBackend,
-    dataset: Path,
-    policy_url: str | None,
-    policy_key: str | None,
-    samples: int,
-    max_in_flight: int,
-    agent_timeout: float | None,
-    grader_timeout: float | None,
-    output: Path | None,
-) -> bool:
+@dataclass(frozen=True)
+class _Options:
+    dataset: Path
+    policy_url: str | None
+    policy_key: str | None
+    samples: int
+    max_in_flight: int
+    agent_timeout: float | None
+    grader_timeout: float | None
+    output: Path | None
+    token_ids: bool
+
+
+async def _run(backend: ExecutionBackend, options: _Options) -> bool:
     requests = requests_from_dataset(
-        dataset,
-        n_samples=samples,
-        agent_timeout_sec=agent_timeout,
-        grader_timeout_sec=grader_timeout,
+        options.dataset,
+        n_samples=options.samples,
+        agent_timeout_sec=options.agent_timeout,
+        grader_timeout_sec=options.grader_timeout,
     )
+    trajectories = getattr(backend, "artifacts_root", None) or default_rollout_root()
     # Every policy call goes through the relay, which holds the endpoint's key and records
     # each call (token ids and logprobs included) against its rollout.
     async with (
-        _policy(policy_url) as (base_url, scripted),
-        Relay(upstream_url=base_url, upstream_api_key=policy_key) as relay,
+        _policy(options.policy_url) as (base_url, scripted),
+        Relay(
+            upstream_url=base_url,
+            upstream_api_key=options.policy_key,
+            request_token_ids=options.token_ids,
+        ) as relay,
     ):
         label = "scripted policy (no model)" if scripted else base_url
-        console.print(f"[bold]{len(requests)}[/] rollouts from {dataset} against {label}")
+        console.print(f"[bold]{len(requests)}[/] rollouts from {options.dataset} against {label}")
         relayed = RelayedBackend(backend, relay)
         results: list[RolloutResult] = []
-        sink = output.open("w", encoding="utf-8") if output else None
+        sink = options.output.open("w", encoding="utf-8") if options.output else None
         try:
-            async with run_batch(relayed, requests, max_in_flight=max_in_flight) as stream:
+            async with run_batch(relayed, requests, max_in_flight=options.max_in_flight) as stream:
                 async for result in stream:
                     results.append(result)
+                    await anyio.to_thread.run_sync(_save_trajectory, trajectories, result)
                     if sink:
                         sink.write(result.model_dump_json() + "\n")
                         sink.flush()
@@ -117,29 +141,29 @@ async def _run(
             if sink:
                 sink.close()
             await backend.aclose()
+    console.print(f"trajectories and artifacts: {trajectories}/<rollout id>/")
     _report(results, {r.rollout_id: i for i, r in enumerate(requests)}, scripted)
     return all(r.failure is None for r in results)
 
 
-class _policy:
+def _save_trajectory(root: Path, result: RolloutResult) -> None:
+    """ATIF ``trajectory.json`` beside the rollout's artifacts, with the policy's token ids."""
+    trace = result.extra_fields.get(TRACE_FIELD)
+    sample = result.sample
+    metrics = None
+    if trace and sample is not None and sample.trajectory_messages:
+        metrics = agent_step_metrics(sample.trajectory_messages, trace)
+    save_trajectory(root, result, agent_step_metrics=metrics)
+
+
+@asynccontextmanager
+async def _policy(url: str | None) -> AsyncIterator[tuple[str, bool]]:
     """The policy endpoint: the given URL, or the embedded scripted policy for the run."""
-
-    def __init__(self, url: str | None) -> None:
-        self.url = url
-        self._scripted: Any = None
-
-    async def __aenter__(self) -> tuple[str, bool]:
-        if self.url:
-            return self.url, False
-        from backends.relay.scripted import ScriptedPolicy
-
-        self._scripted = ScriptedPolicy()
-        policy = await self._scripted.__aenter__()
-        return policy.base_url, True
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if self._scripted is not None:
-            await self._scripted.__aexit__(*exc)
+    if url:
+        yield url, False
+        return
+    async with ScriptedPolicy() as policy:
+        yield policy.base_url, True
 
 
 def _report(results: list[RolloutResult], order: dict[str, int], scripted: bool) -> None:
