@@ -119,7 +119,10 @@ class BwrapSandbox:
 
     def _prepare(self) -> None:
         self.dir.mkdir(parents=True)
-        (self.dir / "owner").write_text(_owner_record(os.getpid()))
+        # Atomically: a concurrent reap_orphans (another process) must never read a
+        # half-written record and take this live sandbox for an orphan.
+        (self.dir / "owner.new").write_text(_owner_record(os.getpid()))
+        (self.dir / "owner.new").rename(self.dir / "owner")
         (self.dir / "work").mkdir()
         self.upper.mkdir(parents=True, exist_ok=True)
         for d in (self.upper, self.dir / "work"):
