@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preview-root", type=Path)
     parser.add_argument("--drain-timeout-sec", type=float)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--relay",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="route policy calls through a rollout-scoped relay; results carry policy_trace",
+    )
     args = parser.parse_args(argv)
     serve_command(**vars(args))
 

@@ -19,6 +19,7 @@ cancels and finishes every rollout it started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -31,11 +32,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import anyio
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from backends.relay import Relay
 
 from backends.rollout.artifacts import ENV_HOME, default_rollout_root
 from backends.rollout.backend import CancelDisposition, ExecutionBackend
@@ -56,6 +60,8 @@ from backends.trajectory.redact import MIN_SECRET_LENGTH, REDACTED, redact_text
 from backends.trajectory.save import save_trajectory
 
 log = logging.getLogger(__name__)
+
+TRACE_FIELD = "policy_trace"  # backends.relayed.TRACE_FIELD, without importing the relay
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -114,6 +120,7 @@ class RolloutServer:
         cancel_grace_sec: float = 10.0,
         drain_linger_sec: float = 5.0,
         synchronous: str = "NORMAL",
+        relay: Relay | bool | None = None,
     ) -> None:
         if not 0 < result_wait_timeout_sec < polling_lease_timeout_sec:
             raise ValueError(
@@ -122,6 +129,17 @@ class RolloutServer:
             )
         if result_retention_sec <= 0 or max_body_bytes <= 0:
             raise ValueError("result_retention_sec and max_body_bytes must be positive")
+        self.relay: Relay | None = None
+        self._owns_relay = relay is True
+        if relay is True:
+            from backends.relay import Relay
+
+            relay = Relay()  # no upstream of its own: each request names its endpoint and key
+        if relay:
+            from backends.relayed import RelayedBackend
+
+            self.relay = relay  # type: ignore[assignment]
+            backend = RelayedBackend(backend, self.relay)  # type: ignore[arg-type]
         self.backend = backend
         self.state_file = Path(state_file) if state_file is not None else default_state_file()
         self._api_key = api_key.encode() if api_key else None
@@ -175,7 +193,11 @@ class RolloutServer:
         started = False
         try:
             self._open()  # outside the task group, so a failure reads plainly
-            try:
+            async with contextlib.AsyncExitStack() as stack:
+                if self._owns_relay:
+                    assert self.relay is not None
+                    await stack.enter_async_context(self.relay)
+                stack.push_async_callback(self._close_tasks)
                 async with anyio.create_task_group() as tg:
                     self._running = self._accepting = True
                     tg.start_soon(self._sweep)
@@ -190,10 +212,6 @@ class RolloutServer:
                     # HTTP has stopped by now: nobody could collect results, so no lingering.
                     await self.drain(linger=False)
                     tg.cancel_scope.cancel()
-            finally:
-                self._running = self._accepting = False
-                with anyio.CancelScope(shield=True):
-                    await self._tasks.aclose()
             await self._store.aclose()
         except BaseException as exc:
             await self._store.aclose()
@@ -203,6 +221,11 @@ class RolloutServer:
                 raise
             return
         await send({"type": "lifespan.shutdown.complete"})
+
+    async def _close_tasks(self) -> None:
+        self._running = self._accepting = False
+        with anyio.CancelScope(shield=True):
+            await self._tasks.aclose()
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -375,7 +398,10 @@ class RolloutServer:
                 await anyio.to_thread.run_sync(
                     lambda: save_trajectory(self.artifacts_root, result, secrets=[key])  # type: ignore[arg-type]
                 )
-        text = json.dumps(result_body(result), ensure_ascii=False, default=str)
+        body = result_body(result)
+        if self.relay is not None and (trace := result.extra_fields.get(TRACE_FIELD)):
+            body["policy_trace"] = trace  # token ids and logprobs, for the trainer
+        text = json.dumps(body, ensure_ascii=False, default=str)
         if key and len(key) >= MIN_SECRET_LENGTH and key in text:
             text = text.replace(key, REDACTED)  # the key is never stored, nor echoed back
         finished_at = time.time()
@@ -614,8 +640,17 @@ def create_rollout_server(*, backend: ExecutionBackend, **options: Any) -> Rollo
     ``result_wait_timeout_sec`` (30), ``polling_lease_timeout_sec`` (120),
     ``result_retention_sec`` (900), ``artifacts_root`` (where ``<id>/trajectory.json`` is
     saved; ``None`` saves none), ``preview_root`` (live previews; default
-    ``$BACKENDS_PREVIEW_ROOT``, unset means off), ``preview_interval_sec`` (3), ``max_body_bytes``, ``drain_timeout_sec``,
-    ``cancel_grace_sec``, ``drain_linger_sec``, ``synchronous`` (SQLite: NORMAL or FULL).
+    ``$BACKENDS_PREVIEW_ROOT``, unset means off), ``preview_interval_sec`` (3),
+    ``max_body_bytes``, ``drain_timeout_sec``, ``cancel_grace_sec``, ``drain_linger_sec``,
+    ``synchronous`` (SQLite: NORMAL or FULL), ``relay`` (default ``None``: off).
+
+    ``relay=True`` routes every rollout's policy calls through a rollout-scoped relay that
+    the server starts and stops with itself: the agent gets its own route and a token, never
+    the request's ``llm_api_key``; the relay forwards to the request's
+    ``chat_completions_url`` with that key. ``relay=<Relay>`` does the same through a relay
+    the caller serves (``async with relay:``) and stops. With a relay, each result body
+    carries ``policy_trace``: every policy call, with token ids and logprobs when the
+    upstream sent them.
     """
     return RolloutServer(backend, **options)
 

@@ -33,8 +33,14 @@ def serve_command(
     preview_root: Path | None = None,
     drain_timeout_sec: float | None = None,
     log_level: str = "info",
+    relay: bool = False,
 ) -> None:
-    """Load ``entrypoint`` and serve it until a signal drains it."""
+    """Load ``entrypoint`` and serve it until a signal drains it.
+
+    ``--relay`` routes every rollout's policy calls through a rollout-scoped relay started
+    with the server: agents never see the trainer's key, and each result carries the
+    ``policy_trace`` (token ids and logprobs when the endpoint sends them).
+    """
     app = load_app(
         entrypoint,
         state_file=state_file,
@@ -42,6 +48,7 @@ def serve_command(
         artifacts_root=artifacts_root,
         preview_root=preview_root,
         drain_timeout_sec=drain_timeout_sec,
+        relay=True if relay else None,
     )
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     serve(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,175 @@
+"""The rollout server with ``relay=True``: policy calls go through a rollout-scoped relay and each
+result carries the policy trace (token ids, logprobs); the agent never holds the trainer's key."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+from server_support import rollout_body, serve_in_process
+
+from backends import (
+    AgentWorkflow,
+    AgentWorkflowContext,
+    Grader,
+    GraderContext,
+    LocalBackend,
+    get_rollout_context,
+)
+from backends.relay import Relay
+from backends.server import LEASE_HEADER, create_rollout_server
+
+pytestmark = pytest.mark.anyio
+
+UPSTREAM_KEY = "sk-upstream-secret-0123456789"
+TOKEN_IDS = [19, 17]
+LOGPROBS = [-0.25, -0.5]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[str, list[str]]]:
+    """A tiny OpenAI-compatible policy answering "42" with token ids and logprobs; it records
+    the Authorization header of each call."""
+    seen_auth: list[str] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen_auth.append(request.headers.get("Authorization", ""))
+        body = await request.json()
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "42"},
+            "finish_reason": "stop",
+            "token_ids": TOKEN_IDS,
+            "logprobs": {
+                "content": [
+                    {"token": token, "logprob": lp, "top_logprobs": []}
+                    for token, lp in zip(("4", "2"), LOGPROBS, strict=True)
+                ]
+            },
+        }
+        return web.json_response(
+            {
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [choice],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}/v1", seen_auth
+    finally:
+        await runner.cleanup()
+
+
+SEEN: dict[str, Any] = {}
+
+
+class AskPolicy(AgentWorkflow[Any]):
+    """Asks the policy once with the openai client, through whatever URL and key it is given."""
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
+        rollout = get_rollout_context()
+        assert rollout is not None
+        SEEN["url"], SEEN["key"] = rollout.base_url, rollout.api_key
+        client = AsyncOpenAI(base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0)
+        try:
+            reply = await client.chat.completions.create(model="policy", messages=ctx.prompt)
+        finally:
+            await client.close()
+        return [*ctx.prompt, {"role": "assistant", "content": reply.choices[0].message.content}]
+
+
+class Exact(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        assert ctx.sample is not None
+        ctx.set_reward(float(ctx.sample.messages[-1]["content"] == ctx.label))
+
+
+async def run_one(url: str, rid: str, policy_url: str) -> dict[str, Any]:
+    body = rollout_body(
+        rid, chat_completions_url=policy_url + "/chat/completions", llm_api_key=UPSTREAM_KEY
+    )
+    async with httpx.AsyncClient(base_url=url) as http:
+        submitted = await http.post("/rollout", json=body)
+        assert submitted.status_code == 202, submitted.text
+        lease = submitted.json()["polling_lease_token"]
+        response = await http.get(
+            f"/rollout/{rid}/result", headers={LEASE_HEADER: lease}, params={"wait": 20}
+        )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+async def test_policy_calls_go_through_the_relay_and_the_trace_reaches_the_trainer(
+    upstream: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    policy_url, seen_auth = upstream
+    backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=None)
+    app = create_rollout_server(
+        backend=backend, relay=True, state_file=tmp_path / "state.sqlite3", artifacts_root=None
+    )
+    async with serve_in_process(app) as url:
+        data = await run_one(url, "relayed-1", policy_url)
+        async with httpx.AsyncClient(base_url=url) as http:
+            relay_url = (await http.get("/health")).json()["relay"]
+
+    assert data["status"] == "success" and data["sample"]["reward"] == 1.0
+    # The agent held only its own route on the relay and a token for it.
+    assert SEEN["url"].startswith(relay_url) and "/rollouts/relayed-1/" in SEEN["url"] + "/"
+    assert UPSTREAM_KEY not in json.dumps(SEEN)
+    # The relay called the policy with the trainer's key.
+    assert seen_auth == [f"Bearer {UPSTREAM_KEY}"]
+    (call,) = data["policy_trace"]["calls"]
+    assert call["upstream_status"] == 200
+    (choice,) = call["choices"]
+    assert choice["token_ids"] == TOKEN_IDS and choice["logprobs"] == LOGPROBS
+    # The key is not echoed back either.
+    assert UPSTREAM_KEY not in json.dumps(data)
+
+
+async def test_a_relay_the_caller_serves_is_used_and_left_running(
+    upstream: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    policy_url, _ = upstream
+    backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=None)
+    async with Relay() as relay:
+        app = create_rollout_server(
+            backend=backend, relay=relay, state_file=tmp_path / "s.sqlite3", artifacts_root=None
+        )
+        async with serve_in_process(app) as url:
+            data = await run_one(url, "relayed-2", policy_url)
+        assert SEEN["url"].startswith(relay.base_url)
+        assert relay.base_url  # still serving after the rollout server stopped
+    assert data["status"] == "success"
+    assert data["policy_trace"]["calls"][0]["choices"][0]["token_ids"] == TOKEN_IDS
+
+
+async def test_without_a_relay_results_carry_no_trace(
+    upstream: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    policy_url, seen_auth = upstream
+    backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=None)
+    app = create_rollout_server(
+        backend=backend, state_file=tmp_path / "state.sqlite3", artifacts_root=None
+    )
+    async with serve_in_process(app) as url:
+        data = await run_one(url, "direct-1", policy_url)
+    assert data["status"] == "success"
+    assert "policy_trace" not in data
+    assert seen_auth == [f"Bearer {UPSTREAM_KEY}"] and SEEN["key"] == UPSTREAM_KEY
