@@ -32,14 +32,24 @@ async def bare_cycle() -> None:
     assert await proc.wait() == 0
 
 
-async def sandbox_cycle(tmp: Path) -> None:
+PHASES: dict[str, list[float]] = {"start": [], "exec": [], "stop": []}
+
+
+async def sandbox_cycle(tmp: Path, phases: dict[str, list[float]] | None = None) -> None:
     env = LOCAL.make(tmp)
+    t0 = time.perf_counter()
     await env.start(force_build=False)
+    t1 = time.perf_counter()
     try:
         res = await env.exec("true")
         assert res.return_code == 0, res
     finally:
+        t2 = time.perf_counter()
         await env.stop(delete=True)
+        t3 = time.perf_counter()
+    if phases is not None:
+        for name, a, b in (("start", t0, t1), ("exec", t1, t2), ("stop", t2, t3)):
+            phases[name].append((b - a) * 1000)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -54,13 +64,15 @@ async def main(cycles: int) -> None:
         bare: list[float] = []
         ours: list[float] = []
         for _ in range(cycles):
-            for fn, sink in ((bare_cycle, bare), (lambda: sandbox_cycle(tmp), ours)):
+            for fn, sink in ((bare_cycle, bare), (lambda: sandbox_cycle(tmp, PHASES), ours)):
                 t0 = time.perf_counter()
                 await fn()
                 sink.append((time.perf_counter() - t0) * 1000)
         print(f"cycles: {cycles} each, interleaved")
         for name, xs in (("bare bwrap true", bare), ("LocalSandbox create+exec+stop", ours)):
             print(f"  {name:32s} p50 {pct(xs, 0.5):7.2f} ms   p99 {pct(xs, 0.99):7.2f} ms")
+        split = ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in PHASES.items())
+        print(f"  {'':32s} p50 per phase (ms): {split}")
         ratio = statistics.median(ours) / statistics.median(bare)
         print(f"  ratio p50 LocalSandbox / bare bwrap: {ratio:.2f}x (target <= 3x)")
 
