@@ -15,8 +15,10 @@ from harbor.models.trajectories import Metrics
 from harbor.utils.trajectory_validator import TrajectoryValidator
 from server_support import make_backend, rollout_body, serve_in_process
 
+from backends.rollout.request import RolloutResult, RolloutStatus
+from backends.rollout.sample import RolloutSample
 from backends.server import LEASE_HEADER, create_rollout_server
-from backends.trajectory import Redactor, build_preview, to_trajectory
+from backends.trajectory import Redactor, TrajectoryWriter, build_preview, to_trajectory
 from backends.trajectory.preview import MAX_PREVIEW_BYTES, MAX_STRING_CHARS
 
 KEY = "sk-test-key-0123456789abcdef"
@@ -211,6 +213,32 @@ async def test_server_saves_a_valid_trajectory_beside_the_artifacts(tmp_path: Pa
     assert not (root / "skipped" / "trajectory.json").exists()
     assert failed["status"] == "failure"
     assert not (root / "failed" / "trajectory.json").exists()
+
+
+def test_trajectory_writer_saves_in_the_background_and_drops_past_its_bound(
+    tmp_path: Path,
+) -> None:
+    def result(rid: str) -> RolloutResult:
+        messages = [
+            {"role": "user", "content": f"hi {KEY}"},
+            {"role": "assistant", "content": "42"},
+        ]
+        sample = RolloutSample(messages=messages, trajectory_messages=messages)
+        return RolloutResult(rollout_id=rid, status=RolloutStatus.SUCCESS, sample=sample)
+
+    writer = TrajectoryWriter(tmp_path, max_pending=2)
+    # Not started: the queue fills up and then drops, without blocking the caller.
+    assert writer.submit(result("a"), secrets=[KEY]) and writer.submit(result("b"))
+    assert not writer.submit(result("c"))
+    assert writer.dropped == 1
+    assert not writer.submit(RolloutResult(rollout_id="none", status=RolloutStatus.SUCCESS))
+    writer.start()
+    writer.close(timeout=30)  # saves what was queued
+    assert writer.saved == 2
+    saved = (tmp_path / "a" / "trajectory.json").read_text()
+    assert json.loads(saved)["session_id"] == "a" and KEY not in saved
+    assert (tmp_path / "b" / "trajectory.json").is_file()
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.anyio

@@ -57,7 +57,7 @@ from backends.server.protocol import (
 )
 from backends.server.store import Store
 from backends.trajectory.redact import MIN_SECRET_LENGTH, REDACTED, redact_text
-from backends.trajectory.save import save_trajectory
+from backends.trajectory.save import TrajectoryWriter
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,9 @@ class RolloutServer:
         if artifacts_root == "default":
             artifacts_root = default_rollout_root()
         self.artifacts_root = Path(artifacts_root) if artifacts_root is not None else None
+        self._trajectories = (
+            TrajectoryWriter(self.artifacts_root) if self.artifacts_root is not None else None
+        )
         if preview_root == "env":
             preview_root = os.environ.get(ENV_PREVIEW_ROOT) or None
         self.preview_root = Path(preview_root) if preview_root is not None else None
@@ -197,6 +200,9 @@ class RolloutServer:
                 if self._owns_relay:
                     assert self.relay is not None
                     await stack.enter_async_context(self.relay)
+                if self._trajectories is not None:
+                    self._trajectories.start()
+                    stack.push_async_callback(self._close_trajectories)
                 stack.push_async_callback(self._close_tasks)
                 async with anyio.create_task_group() as tg:
                     self._running = self._accepting = True
@@ -226,6 +232,11 @@ class RolloutServer:
         self._running = self._accepting = False
         with anyio.CancelScope(shield=True):
             await self._tasks.aclose()
+
+    async def _close_trajectories(self) -> None:
+        assert self._trajectories is not None
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._trajectories.close, 60)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -393,11 +404,6 @@ class RolloutServer:
         self, entry: _Rollout, request: RolloutRequest, result: RolloutResult
     ) -> None:
         key = request.api_key
-        if self.artifacts_root is not None and result.sample is not None:
-            if result.sample.trajectory_messages:
-                await anyio.to_thread.run_sync(
-                    lambda: save_trajectory(self.artifacts_root, result, secrets=[key])  # type: ignore[arg-type]
-                )
         body = result_body(result)
         if self.relay is not None and (trace := result.extra_fields.get(TRACE_FIELD)):
             body["policy_trace"] = trace  # token ids and logprobs, for the trainer
@@ -409,6 +415,9 @@ class RolloutServer:
             await self._store.finish(entry.rollout_id, result.status.value, finished_at, text)
         except Exception:
             log.exception("could not record the result of rollout %s", entry.rollout_id)
+        if self._trajectories is not None:
+            # Saved in the background once the result is durable: a file never delays it.
+            self._trajectories.submit(result, secrets=[key])
         entry.body = text.encode()
         entry.status = result.status
         entry.finished_at = finished_at

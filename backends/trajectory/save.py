@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,59 @@ def save_trajectory(
     except Exception as exc:  # best effort by contract: the result matters, the file does not
         log.warning("could not save the trajectory of rollout %s: %s", result.rollout_id, exc)
         return None
+
+
+class TrajectoryWriter:
+    """Saves trajectories from one background thread, so that no result waits for its file.
+
+    Best effort and bounded: at most ``max_pending`` trajectories wait; past that a new one is
+    dropped with a log line (a result is never delayed or changed for a file). ``close`` saves
+    those still waiting, then stops the thread. ``submit`` may be called from any thread.
+    """
+
+    def __init__(self, root: Path | str, *, max_pending: int = 1024) -> None:
+        self.root = Path(root)
+        self._queue: queue.Queue[Any] = queue.Queue(max_pending)
+        self._thread: threading.Thread | None = None
+        self.saved = 0
+        self.dropped = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="trajectories", daemon=True)
+            self._thread.start()
+
+    def submit(self, result: RolloutResult, *, secrets: Iterable[str | None] = ()) -> bool:
+        """Queue ``result``'s trajectory; ``False`` if there is none, or it was dropped."""
+        sample = result.sample
+        if sample is None or not sample.trajectory_messages:
+            return False
+        try:
+            self._queue.put_nowait((result, tuple(secrets)))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning(
+                    "trajectory writer is %d behind: dropped %d trajectories so far (rollout %s)",
+                    self._queue.maxsize,
+                    self.dropped,
+                    result.rollout_id,
+                )
+            return False
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Save what is queued (for up to ``timeout`` seconds), then stop. Blocks."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            result, secrets = item
+            if save_trajectory(self.root, result, secrets=secrets) is not None:
+                self.saved += 1
 
 
 def write_atomic(path: Path, data: bytes) -> None:
