@@ -1,9 +1,11 @@
 """Throughput and latency of the rollout server over real HTTP, at 1, 64 and 256 in flight.
 
-    python tests/benchmarks/bench_server.py [--seconds 5] [--levels 1,64,256]
+    python tests/benchmarks/bench_server.py [--seconds 3] [--levels 1,64,256] [--repeat 3]
+                                            [--baseline PATH-TO-ANOTHER-CHECKOUT]
 
-This process is the load generator: lean aiohttp on uvloop, each worker submits a rollout
-(``POST /rollout``) and long-polls its result until it is final, then starts the next. Two
+This process is the load generator: a raw keep-alive HTTP/1.1 client on uvloop (one
+connection per worker); each worker submits a rollout (``POST /rollout``) and long-polls its
+result until it is final, then starts the next. Two
 servers run as subprocesses, each under uvicorn (uvloop + httptools):
 
 - ``trivial``: speaks the protocol and nothing else (no work, no state). Its rate is the
@@ -259,11 +261,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(kind: str, workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+def start(kind: str, workdir: str, tree: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
+    """Serve ``kind`` from a subprocess running the code of ``tree`` (this checkout by default)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    script = tree / "tests" / "benchmarks" / "bench_server.py"
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", kind, "--port", str(port), "--workdir", workdir],
+        [sys.executable, str(script), "--serve", kind, "--port", str(port), "--workdir", workdir],
         env=env,
     )
     deadline = time.monotonic() + 30
@@ -285,10 +289,23 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--levels", default="1,64,256")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. a git worktree of an older commit): its backends server "
+        "is measured in the same rounds, as 'baseline'",
+    )
     parser.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -300,41 +317,73 @@ def main() -> None:
     import uvloop
 
     levels = [int(x) for x in args.levels.split(",")]
-    print(f"rollout server benchmark: {os.cpu_count()} cores, {args.seconds:g} s per level")
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    kinds = [*KINDS, *(["baseline"] if args.baseline else [])]
+    print(
+        f"rollout server benchmark: {os.cpu_count()} cores, {args.seconds:g} s per level, "
+        f"{args.repeat} interleaved rounds (medians below)"
+    )
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {k: {n: [] for n in levels} for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-server-") as workdir:
-        for kind in KINDS:
-            proc, url = start(kind, workdir)
-            try:
-                results[kind] = {}
+        servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+        try:
+            for kind in kinds:
+                if kind == "baseline":
+                    servers[kind] = start("backends", f"{workdir}/baseline", args.baseline)
+                else:
+                    servers[kind] = start(kind, workdir)
+            # Every kind at every level in each round, so a burst of load elsewhere on the
+            # machine lands on all of them rather than on one.
+            for round_ in range(args.repeat):
                 for level in levels:
-                    tag = kind.replace("+", "-") + str(level)
-                    stats = uvloop.run(drive(url, level, args.seconds, tag, proc.pid))
-                    results[kind][level] = stats
-                    print(
-                        f"  {kind:14s} {level:4d} in flight: {stats['rate']:7.0f} rollouts/s  "
-                        f"p50 {stats['p50']:6.2f} ms  p99 {stats['p99']:7.2f} ms  "
-                        f"errors {stats['errors']:.0f}  CPU/rollout: server "
-                        f"{stats['server_us']:.0f} us, generator {stats['client_us']:.0f} us",
-                        flush=True,
-                    )
-            finally:
+                    for kind in kinds:
+                        proc, url = servers[kind]
+                        tag = f"{kind.replace('+', '-')}{level}r{round_}"
+                        stats = uvloop.run(drive(url, level, args.seconds, tag, proc.pid))
+                        runs[kind][level].append(stats)
+                        print(
+                            f"  round {round_ + 1} {kind:14s} {level:4d} in flight: "
+                            f"{stats['rate']:7.0f} rollouts/s  p50 {stats['p50']:6.2f} ms  "
+                            f"p99 {stats['p99']:7.2f} ms  errors {stats['errors']:.0f}  "
+                            f"CPU/rollout: server {stats['server_us']:.0f} us, "
+                            f"generator {stats['client_us']:.0f} us",
+                            flush=True,
+                        )
+        finally:
+            for proc, _ in servers.values():
                 stop(proc)
-    ours, ceiling, files = results["backends"], results["trivial"], results["backends+files"]
+    med = {
+        kind: {n: {key: median([r[key] for r in rs]) for key in rs[0]} for n, rs in by.items()}
+        for kind, by in runs.items()
+    }
+    print("\nmedians per kind and level")
+    for kind in kinds:
+        for level in levels:
+            m = med[kind][level]
+            print(
+                f"  {kind:14s} {level:4d} in flight: {m['rate']:7.0f} rollouts/s  "
+                f"p50 {m['p50']:6.2f} ms  p99 {m['p99']:7.2f} ms  CPU/rollout: server "
+                f"{m['server_us']:.0f} us, generator {m['client_us']:.0f} us"
+            )
+    ours, ceiling, files = med["backends"], med["trivial"], med["backends+files"]
     best = max(s["rate"] for s in ours.values())
-    print("\nsummary (rollouts/s)")
+    print("\nsummary (median rollouts/s)")
+    extra = f" {'baseline':>9s} {'ours/base':>9s}" if args.baseline else ""
     print(
         f"  {'in flight':>9s} {'backends':>9s} {'+files':>9s} {'ceiling':>9s} "
-        f"{'of ceiling':>10s} {'vs reference':>12s}"
+        f"{'of ceiling':>10s} {'vs reference':>12s}{extra}"
     )
     for level in levels:
         rate = ours[level]["rate"]
         ref = REFERENCE.get(level)
         vs_ref = f"{rate / ref:11.1f}x" if ref else f"{'-':>12s}"
-        print(
+        row = (
             f"  {level:9d} {rate:9.0f} {files[level]['rate']:9.0f} {ceiling[level]['rate']:9.0f} "
             f"{rate / ceiling[level]['rate']:9.0%} {vs_ref}"
         )
+        if args.baseline:
+            base = med["baseline"][level]["rate"]
+            row += f" {base:9.0f} {rate / base:8.2f}x"
+        print(row)
     if 64 in ours:
         print(
             f"  target at 64 in flight: >= 1200/s -> {'met' if ours[64]['rate'] >= 1200 else 'MISSED'}"
