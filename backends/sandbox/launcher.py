@@ -11,9 +11,9 @@ Why a launcher and not plain `bwrap`: bubblewrap run by root leaves the sandbox 
    mount vanishes with the sandbox even if this process is SIGKILLed,
 4. execs bubblewrap for the pid/ipc/uts/net/mount namespaces and the bind mounts.
 
-Commands run inside with `nsenter` into the namespaces of the sandbox's pid 1, after joining
-the cgroups the same way. The pre-exec hooks run in the forked child and only make system
-calls, which is what makes them safe in a multi-threaded parent.
+Commands run inside by the spawner: its child is forked into the sandbox's pid namespace,
+joins the cgroups the same way, then the namespaces, root and cwd of the sandbox's pid 1
+(what `nsenter` does, minus an exec and a fork), drops to the user and execs the command.
 """
 
 from __future__ import annotations
@@ -72,23 +72,21 @@ def _which(name: str) -> str | None:
     return shutil.which(name)
 
 
-def require_host() -> tuple[str, str]:
-    """Return the paths of bwrap and nsenter, or say what to install.
+def require_host() -> str:
+    """Return the path of bwrap, or say what to install.
 
     Raises:
-        HostPrerequisiteError: not root, or bubblewrap / util-linux nsenter missing.
+        HostPrerequisiteError: not root, or bubblewrap missing.
     """
     if os.geteuid() != 0:
         raise HostPrerequisiteError(
             "the local sandbox launcher must run as root (it writes uid maps, cgroups and "
             "mounts overlays); run as root or pick another environment type"
         )
-    bwrap, nsenter = _which("bwrap"), _which("nsenter")
+    bwrap = _which("bwrap")
     if bwrap is None:
         raise HostPrerequisiteError("bubblewrap is not installed: apt-get install -y bubblewrap")
-    if nsenter is None:
-        raise HostPrerequisiteError("nsenter is missing: apt-get install -y util-linux")
-    return bwrap, nsenter
+    return bwrap
 
 
 def staged(spec: BootSpec, index: int) -> Path:
@@ -230,8 +228,12 @@ class Spawner:
         fds: Sequence[int],
         cgroup_procs: Sequence[str],
         boot: dict[str, object] | None = None,
+        enter: dict[str, object] | None = None,
     ) -> SandboxProcess:
         """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
+
+        With `enter` ({"pid", "uid", "gid", "groups"}) argv runs inside the live sandbox
+        whose pid 1 has host pid `pid`, as that user, found on `env`'s PATH.
 
         Raises:
             OSError: the spawner is gone, or the child failed before exec (message says why).
@@ -247,6 +249,7 @@ class Spawner:
             "cgroups": list(cgroup_procs),
             "boot": boot,
             "uid_map": f"0 {UID_BASE} {UID_COUNT}\n",
+            "enter": enter,
         }
         data = json.dumps(req).encode()
         with self._lock:
@@ -402,7 +405,7 @@ def _set_done(fut: asyncio.Future[None]) -> None:
 @dataclass
 class Booted:
     process: SandboxProcess
-    init_pid: int  # host pid of the sandbox's pid 1: nsenter's target
+    init_pid: int  # host pid of the sandbox's pid 1: commands join its namespaces
 
 
 def _parses(data: bytes) -> bool:
@@ -422,7 +425,7 @@ async def boot(spec: BootSpec) -> Booted:
     Raises:
         SandboxStartError: bwrap or the namespace setup failed; the message holds its stderr.
     """
-    bwrap, _ = require_host()
+    bwrap = require_host()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     info_r, info_w = os.pipe()
@@ -458,26 +461,6 @@ async def boot(spec: BootSpec) -> Booted:
         for fd in (out_r, err_r, info_r):
             os.close(fd)
     return Booted(process=proc, init_pid=int(info["child-pid"]))
-
-
-def nsenter_argv(
-    nsenter: str,
-    init_pid: int,
-    argv: Sequence[str],
-    *,
-    uid: int,
-    gid: int,
-    cwd: str | None,
-    groups: Sequence[int] = (),
-) -> list[str]:
-    """nsenter into the sandbox as uid:gid; with supplementary groups via the image's setpriv."""
-    cmd = [nsenter, "-t", str(init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-r"]
-    cmd.append(f"--wd={cwd}" if cwd else "-w")
-    if not groups:
-        return [*cmd, "-S", str(uid), "-G", str(gid), "--", *argv]
-    ids = ",".join(str(g) for g in groups)
-    setpriv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={ids}", "--"]
-    return [*cmd, "-S", "0", "-G", "0", "--", *setpriv, *argv]
 
 
 def host_id(sandbox_id: int) -> int:

@@ -17,7 +17,7 @@ import shlex
 import shutil
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +77,6 @@ class BwrapSandbox:
         self._booted: launcher.Booted | None = None
         self._users: dict[str | int, User] = {}
         self._exec_ids = itertools.count()
-        self._nsenter = "nsenter"
 
     @property
     def running(self) -> bool:
@@ -94,7 +93,7 @@ class BwrapSandbox:
             HostPrerequisiteError: not root, bwrap missing, a needed cgroup controller missing.
             SandboxStartError: the namespaces, overlay or bwrap failed (message says why).
         """
-        _, self._nsenter = launcher.require_host()
+        launcher.require_host()
         try:
             # A few mkdirs and cgroup writes: cheaper inline than a hop to a worker thread.
             self._prepare()
@@ -154,13 +153,23 @@ class BwrapSandbox:
             await self._teardown(booted)
 
     async def _teardown(self, booted: launcher.Booted | None) -> None:
-        if not self.cgroup.start_kill():
-            await anyio.to_thread.run_sync(self.cgroup.kill)  # no cgroup.kill on this host
+        """Kill everything, confirm it is dead, then hand the removals to a worker thread.
+
+        By the time this returns no process of the sandbox is alive (cgroup.kill plus an
+        empty cgroup, or every process signalled and reaped); the cgroup directories and the
+        run dir go in the background (rmdir is slow here) and at the latest at interpreter
+        exit. Names are never reused, so no later sandbox can see that state.
+        """
         if booted is not None:
             booted.process.kill()
-            await booted.process.wait()
-        await self.cgroup.wait_empty()
-        self._cleanup()
+        if self.cgroup.start_kill():
+            await self.cgroup.wait_empty()
+        else:  # no cgroup.kill on this host
+            await anyio.to_thread.run_sync(self.cgroup.kill)
+            if booted is not None:
+                await booted.process.wait()
+            await self.cgroup.wait_empty()
+        _later(self._cleanup)
 
     def _cleanup(self) -> None:
         self.cgroup.remove()
@@ -174,8 +183,7 @@ class BwrapSandbox:
         if key in (0, "root", "0"):
             found = User(0, 0, "/root")
         else:
-            # Supplementary groups are applied with setpriv, so only when the image has it.
-            script = 'getent passwd "$0" || exit 2; id -G "$0"; command -v setpriv >/dev/null'
+            script = 'getent passwd "$0" || exit 2; id -G "$0"'
             res = await self.run(["/bin/sh", "-c", script, str(key)], user=User(0, 0, "/root"))
             lines = res.stdout.decode().splitlines()
             fields = lines[0].split(":") if lines else []
@@ -228,19 +236,21 @@ class BwrapSandbox:
         try:
             try:
                 proc = await launcher.spawner().spawn(
-                    launcher.nsenter_argv(
-                        self._nsenter,
-                        booted.init_pid,
-                        argv,
-                        uid=user.uid,
-                        gid=user.gid,
-                        groups=user.groups,
-                        cwd=None,
-                    ),
+                    argv,
                     env=full_env,
                     fds=(in_r, out_w, err_w),
                     cgroup_procs=self.cgroup.procs_files(group),
+                    enter={
+                        "pid": booted.init_pid,
+                        "uid": user.uid,
+                        "gid": user.gid,
+                        "groups": [user.gid, *user.groups],
+                    },
                 )
+            except OSError as e:
+                if booted.process.returncode is not None or not _alive(booted.init_pid):
+                    raise SandboxNotRunningError(f"sandbox {self.name} is not running") from e
+                raise
             finally:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
@@ -259,6 +269,14 @@ class BwrapSandbox:
         finally:
             ours.close_all()
             self.cgroup.drop_exec_group(group)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class _Fds:
@@ -307,7 +325,7 @@ async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None
                 for done in streams_done:
                     await done.wait()
         tg.cancel_scope.cancel()
-    # Killed by a signal (the OOM killer may take nsenter with its child): report it the way
+    # Killed by a signal (e.g. by the OOM killer): report it the way
     # shells and docker do, 128 + signal number.
     return RunResult(code if code >= 0 else 128 - code, bytes(out), bytes(err))
 
@@ -368,7 +386,56 @@ def flush_trash() -> None:
         shutil.rmtree(target, ignore_errors=True)
 
 
+_later_lock = threading.Lock()
+_later_queue: list[Callable[[], None]] = []
+_later_worker: threading.Thread | None = None
+
+
+def _later(fn: Callable[[], None]) -> None:
+    """Run fn soon on the cleanup thread (sequentially; and at interpreter exit at the latest)."""
+    global _later_worker
+    with _later_lock:
+        _later_queue.append(fn)
+        if _later_worker is None:
+            _later_worker = threading.Thread(target=_run_later, name="sandbox-cleanup", daemon=True)
+            _later_worker.start()
+
+
+def _run_later() -> None:
+    global _later_worker
+    while True:
+        with _later_lock:
+            if not _later_queue:
+                _later_worker = None
+                return
+            fn = _later_queue.pop(0)
+        try:
+            fn()
+        except Exception:
+            log.exception("sandbox cleanup failed")
+
+
+def flush_cleanup(timeout: float = 30.0) -> None:
+    """Finish every pending cleanup of stopped sandboxes now (also run at interpreter exit)."""
+    while True:
+        with _later_lock:
+            worker = _later_worker
+            fn = _later_queue.pop(0) if _later_queue else None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                log.exception("sandbox cleanup failed")
+        elif worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+            if worker.is_alive():
+                return
+        else:
+            return
+
+
 atexit.register(flush_trash)
+atexit.register(flush_cleanup)  # registered last, so it runs first
 
 
 def _start_time(pid: int) -> str:

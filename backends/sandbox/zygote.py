@@ -14,8 +14,13 @@ every bwrap it started has `--die-with-parent` and dies with it.
 Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
-  files], "boot": null | {"options", "merged", "stages": [[source, point], ...]}, "uid_map"}`
-  with the fds to install at those numbers (every other fd is closed);
+  files], "boot": null | {"options", "merged", "stages": [[source, point], ...]}, "uid_map",
+  "enter": null | {"pid", "uid", "gid", "groups"}}` with the fds to install at those numbers
+  (every other fd is closed). `enter` runs the command inside a live sandbox: the child is
+  forked straight into the sandbox's pid namespace and joins its user, mount, network, ipc
+  and uts namespaces and its root and cwd (what `nsenter` would do, without its exec and
+  fork); the command is then looked up on the sandbox's PATH and a failed exec is an
+  ordinary exit (127, or 126) with the reason on its stderr, as in a shell;
 - reply `{"id", "pid"}` with a pidfd once the child has exec'd, or `{"id", "error"}`;
 - later `{"exit": pid, "code": returncode}` (negative: killed by that signal).
 
@@ -35,6 +40,10 @@ import sys
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+# Joined in this order: the user namespace first, so its capabilities cover the others.
+ENTER_NAMESPACES = (("user", CLONE_NEWUSER), ("ipc", 0x08000000), ("uts", 0x04000000),
+                    ("net", 0x40000000), ("mnt", CLONE_NEWNS))  # fmt: skip
 MS_NODEV = 4
 MS_BIND = 4096
 MS_REC = 0x4000
@@ -64,10 +73,13 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
     try:
         for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        pid = str(os.getpid()).encode()
         # First, before anything can fork: every descendant stays inside the limits.
+        # ("0" is the writer itself, whichever pid namespace it was forked into.)
         for f in req["cgroups"]:
-            _write_file(f, pid)
+            _write_file(f, b"0")
+        enter = req.get("enter")
+        if enter:
+            _enter(enter)
         boot = req.get("boot")
         if boot:
             # Still host root, in a private mount namespace: mount the overlay and stage
@@ -102,12 +114,57 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
         os.closerange(top + 1, err_w)
         os.closerange(err_w + 1, 1 << 16)
         argv = req["argv"]
-        os.execve(argv[0], argv, req["env"])
+        if not enter:
+            os.execve(argv[0], argv, req["env"])
+        e = _exec_on_path(argv, req["env"])  # returns only on failure
+        # Like a shell: a message and 127 (not found) or 126.
+        os.write(2, f"{argv[0]}: {e.strerror}\n".encode(errors="replace"))
+        os._exit(127 if isinstance(e, FileNotFoundError) else 126)
     except BaseException as e:
         try:
             os.write(err_w, b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
         finally:
             os._exit(127)
+
+
+def _exec_on_path(argv: list[str], env: dict[str, str]) -> OSError:
+    """execvpe without imports (os.execvpe imports modules, and we are chrooted now)."""
+    name = argv[0]
+    if "/" in name:
+        dirs = [""]
+    else:
+        dirs = [d or "." for d in env.get("PATH", "/usr/bin:/bin").split(":")]
+    first: OSError | None = None
+    for d in dirs:
+        try:
+            os.execve(f"{d}/{name}" if d else name, argv, env)
+        except OSError as e:
+            if first is None or (isinstance(first, FileNotFoundError) and e.errno == 13):
+                first = e  # EACCES wins over ENOENT, as in execvp
+    return first or FileNotFoundError(2, "No such file or directory")
+
+
+def _enter(enter: dict) -> None:
+    """Join the namespaces, root and cwd of the sandbox process `enter["pid"]`, as its user."""
+    proc = f"/proc/{enter['pid']}"
+    fds = [(os.open(f"{proc}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC), kind)
+           for name, kind in ENTER_NAMESPACES]  # fmt: skip
+    root = os.open(f"{proc}/root", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    cwd = os.open(f"{proc}/cwd", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    for (name, _), (fd, kind) in zip(ENTER_NAMESPACES, fds, strict=True):
+        ours, theirs = os.stat(f"/proc/self/ns/{name}"), os.fstat(fd)
+        # One shared with the host (network_mode public) is not ours to join from inside.
+        if (ours.st_dev, ours.st_ino) != (theirs.st_dev, theirs.st_ino):
+            os.setns(fd, kind)
+        os.close(fd)
+    os.fchdir(root)
+    os.chroot(".")
+    os.fchdir(cwd)
+    os.close(root)
+    os.close(cwd)
+    os.setgroups(enter["groups"])
+    os.setresgid(enter["gid"], enter["gid"], enter["gid"])
+    os.setresuid(enter["uid"], enter["uid"], enter["uid"])
 
 
 class _Child:
@@ -129,6 +186,7 @@ class Spawner:
         self.sel = selectors.DefaultSelector()
         self.sel.register(sock, selectors.EVENT_READ, ("ctl", 0))
         self.children: dict[int, _Child] = {}
+        self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
         data = json.dumps(msg).encode()
@@ -162,7 +220,7 @@ class Spawner:
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
         try:
-            pid = os.fork()
+            pid = self.fork(req.get("enter"))
         except OSError as e:
             for f in (*fds, err_r, err_w, go_r, go_w):
                 os.close(f)
@@ -176,6 +234,24 @@ class Spawner:
         self.children[pid] = _Child(req["id"], err_r, go_w, pidfd, req.get("uid_map", ""))
         self.sel.register(err_r, selectors.EVENT_READ, ("err", pid))
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+
+    def fork(self, enter: dict | None) -> int:
+        """fork(); with `enter`, the child is born in that sandbox's pid namespace."""
+        if not enter:
+            return os.fork()
+        ns = os.open(f"/proc/{enter['pid']}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.setns(ns, CLONE_NEWPID)  # only our future children's pid namespace changes
+        finally:
+            os.close(ns)
+        try:
+            pid = os.fork()
+        except OSError:
+            os.setns(self.own_pidns, CLONE_NEWPID)
+            raise
+        if pid:
+            os.setns(self.own_pidns, CLONE_NEWPID)
+        return pid
 
     def child_said(self, pid: int) -> None:
         c = self.children[pid]

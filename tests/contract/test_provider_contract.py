@@ -127,13 +127,21 @@ async def test_stop_kills_daemons_and_leaves_nothing(provider: Provider, tmp_pat
     assert not _leftovers(box)
 
 
-def _leftovers(box) -> list[str]:
-    """Run dir, cgroups and mounts a stopped sandbox must not leave behind."""
-    left = [str(box.dir)] if box.dir.exists() else []
-    left += [str(d) for d in box.cgroup._dirs if Path(d).exists()]
-    if box.name in Path("/proc/self/mounts").read_text():
-        left.append("mount")
-    return left
+def _leftovers(box, within: float = 5.0) -> list[str]:
+    """Run dir, cgroups and mounts a stopped sandbox must not leave behind.
+
+    Its processes must be gone when stop() returns; directories may be removed in the
+    background, but within a bounded time.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        left = [str(box.dir)] if box.dir.exists() else []
+        left += [str(d) for d in box.cgroup._dirs if Path(d).exists()]
+        if box.name in Path("/proc/self/mounts").read_text():
+            left.append("mount")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)
 
 
 async def test_network_none_by_default_public_on_request(
