@@ -14,9 +14,14 @@ from typing import Any
 from backends.relay import Relay, RolloutTrace
 from backends.rollout.backend import CancelDisposition, ExecutionBackend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
-from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
+from backends.rollout.request import (
+    POLICY_TRACE_FIELD,
+    RolloutRequest,
+    RolloutResult,
+    RolloutStatus,
+)
 
-TRACE_FIELD = "policy_trace"
+TRACE_FIELD = POLICY_TRACE_FIELD
 
 
 class RelayedBackend:

@@ -122,7 +122,10 @@ async def test_policy_calls_go_through_the_relay_and_the_trace_reaches_the_train
     policy_url, seen_auth = upstream
     backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=None)
     app = create_rollout_server(
-        backend=backend, relay=True, state_file=tmp_path / "state.sqlite3", artifacts_root=None
+        backend=backend,
+        relay=True,
+        state_file=tmp_path / "state.sqlite3",
+        artifacts_root=tmp_path / "rollouts",
     )
     async with serve_in_process(app) as url:
         data = await run_one(url, "relayed-1", policy_url)
@@ -141,6 +144,12 @@ async def test_policy_calls_go_through_the_relay_and_the_trace_reaches_the_train
     assert choice["token_ids"] == TOKEN_IDS and choice["logprobs"] == LOGPROBS
     # The key is not echoed back either.
     assert UPSTREAM_KEY not in json.dumps(data)
+    # The saved ATIF trajectory's agent step carries what the policy sampled, and no key.
+    saved = (tmp_path / "rollouts" / "relayed-1" / "trajectory.json").read_text()
+    assert UPSTREAM_KEY not in saved
+    (agent_step,) = [s for s in json.loads(saved)["steps"] if s["source"] == "agent"]
+    assert agent_step["metrics"]["completion_token_ids"] == TOKEN_IDS
+    assert agent_step["metrics"]["logprobs"] == LOGPROBS
 
 
 async def test_a_relay_the_caller_serves_is_used_and_left_running(

@@ -25,7 +25,6 @@ from backends.rollout.dataset import DatasetError, requests_from_dataset
 from backends.rollout.loading import EntrypointError, load_object
 from backends.rollout.request import RolloutResult
 from backends.trajectory import save_trajectory
-from backends.trajectory.policy_metrics import agent_step_metrics
 
 REPO_TASKS = Path(__file__).resolve().parents[2] / "tasks"
 DEFAULT_ENTRYPOINT = str(REPO_TASKS / "rollouts" / "arithmetic" / "main.py") + ":backend"
@@ -133,7 +132,8 @@ async def _run(backend: ExecutionBackend, options: _Options) -> bool:
             async with run_batch(relayed, requests, max_in_flight=options.max_in_flight) as stream:
                 async for result in stream:
                     results.append(result)
-                    await anyio.to_thread.run_sync(_save_trajectory, trajectories, result)
+                    # ATIF trajectory.json beside the artifacts, with the policy's token ids.
+                    await anyio.to_thread.run_sync(save_trajectory, trajectories, result)
                     if sink:
                         sink.write(result.model_dump_json() + "\n")
                         sink.flush()
@@ -144,16 +144,6 @@ async def _run(backend: ExecutionBackend, options: _Options) -> bool:
     console.print(f"trajectories and artifacts: {trajectories}/<rollout id>/")
     _report(results, {r.rollout_id: i for i, r in enumerate(requests)}, scripted)
     return all(r.failure is None for r in results)
-
-
-def _save_trajectory(root: Path, result: RolloutResult) -> None:
-    """ATIF ``trajectory.json`` beside the rollout's artifacts, with the policy's token ids."""
-    trace = result.extra_fields.get(TRACE_FIELD)
-    sample = result.sample
-    metrics = None
-    if trace and sample is not None and sample.trajectory_messages:
-        metrics = agent_step_metrics(sample.trajectory_messages, trace)
-    save_trajectory(root, result, agent_step_metrics=metrics)
 
 
 @asynccontextmanager

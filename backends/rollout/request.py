@@ -83,6 +83,10 @@ class RolloutStatus(StrEnum):
         return self in {RolloutStatus.SUCCESS, RolloutStatus.FAILURE, RolloutStatus.CANCELLED}
 
 
+# Where RelayedBackend puts the relay's trace of a rollout's policy calls on its result.
+POLICY_TRACE_FIELD = "policy_trace"
+
+
 class RolloutResult(BaseModel):
     """The outcome of one rollout.
 

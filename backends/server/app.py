@@ -44,7 +44,12 @@ if TYPE_CHECKING:
 from backends.rollout.artifacts import ENV_HOME, default_rollout_root
 from backends.rollout.backend import CancelDisposition, ExecutionBackend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure, describe
-from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
+from backends.rollout.request import (
+    POLICY_TRACE_FIELD,
+    RolloutRequest,
+    RolloutResult,
+    RolloutStatus,
+)
 from backends.server.protocol import (
     LEASE_HEADER,
     LEASE_HEADER_ALIAS,
@@ -61,7 +66,6 @@ from backends.trajectory.save import TrajectoryWriter
 
 log = logging.getLogger(__name__)
 
-TRACE_FIELD = "policy_trace"  # backends.relayed.TRACE_FIELD, without importing the relay
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -405,7 +409,7 @@ class RolloutServer:
     ) -> None:
         key = request.api_key
         body = result_body(result)
-        if self.relay is not None and (trace := result.extra_fields.get(TRACE_FIELD)):
+        if self.relay is not None and (trace := result.extra_fields.get(POLICY_TRACE_FIELD)):
             body["policy_trace"] = trace  # token ids and logprobs, for the trainer
         text = json.dumps(body, ensure_ascii=False, default=str)
         if key and len(key) >= MIN_SECRET_LENGTH and key in text:
