@@ -13,8 +13,9 @@ import asyncio
 import logging
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 import uvicorn
 
 from backends.rollout.loading import load_object
@@ -24,16 +25,44 @@ log = logging.getLogger(__name__)
 
 
 def serve_command(
-    entrypoint: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    state_file: Path | None = None,
-    api_key: str | None = None,
-    artifacts_root: Path | None = None,
-    preview_root: Path | None = None,
-    drain_timeout_sec: float | None = None,
-    log_level: str = "info",
-    relay: bool = False,
+    entrypoint: Annotated[
+        str,
+        typer.Argument(
+            help="What to serve: 'main.py:app' (made by create_rollout_server), "
+            "'main.py:backend' or 'module:attr'."
+        ),
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    state_file: Annotated[
+        Path | None,
+        typer.Option(help="SQLite state file; default $BACKENDS_SERVER_STATE or ~/.backends/."),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BACKENDS_SERVER_API_KEY",
+            help="Bearer token every request must carry (prefer the environment variable).",
+        ),
+    ] = None,
+    artifacts_root: Annotated[
+        Path | None, typer.Option(help="Where <rollout id>/trajectory.json is saved.")
+    ] = None,
+    preview_root: Annotated[
+        Path | None, typer.Option(help="Publish live previews under this directory.")
+    ] = None,
+    drain_timeout_sec: Annotated[
+        float | None,
+        typer.Option(help="On SIGTERM, how long rollouts in flight may finish before cancel."),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    relay: Annotated[
+        bool,
+        typer.Option(
+            "--relay/--no-relay",
+            help="Route policy calls through a rollout-scoped relay; results carry policy_trace.",
+        ),
+    ] = False,
 ) -> None:
     """Load ``entrypoint`` and serve it until a signal drains it.
 
