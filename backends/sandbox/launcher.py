@@ -40,7 +40,10 @@ from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
 
 _ZYGOTE = Path(__file__).with_name("zygote.py")
-KEEPALIVE = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
+# The sandbox's first process: says it runs inside the finished mount tree, then waits on
+# its stdin, a pipe only the owner can write to, so one exec suffices (no `sleep`). It ends
+# when the owner closes the pipe (stop, or the owner's death).
+KEEPALIVE = ["/bin/sh", "-c", "echo ready; read _"]
 
 
 @dataclass(frozen=True)
@@ -406,6 +409,12 @@ def _set_done(fut: asyncio.Future[None]) -> None:
 class Booted:
     process: SandboxProcess
     init_pid: int  # host pid of the sandbox's pid 1: commands join its namespaces
+    keepalive: int  # write end of the first process's stdin: closing it ends that process
+
+    def close(self) -> None:
+        fd, self.keepalive = self.keepalive, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _parses(data: bytes) -> bool:
@@ -429,20 +438,20 @@ async def boot(spec: BootSpec) -> Booted:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     info_r, info_w = os.pipe()
-    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    keep_r, keep_w = os.pipe()
     try:
         try:
             proc = await spawner().spawn(
                 bwrap_argv(bwrap, spec, INFO_FD),
                 env=dict(os.environ),
-                fds=(devnull, out_w, err_w, info_w),
+                fds=(keep_r, out_w, err_w, info_w),
                 cgroup_procs=spec.cgroup_procs,
                 boot=_boot_request(spec),
             )
         except OSError as e:
             raise SandboxStartError(f"could not start bubblewrap: {e}") from e
         finally:
-            for fd in (devnull, out_w, err_w, info_w):
+            for fd in (keep_r, out_w, err_w, info_w):
                 os.close(fd)
         try:
             line = await read_fd(out_r, lambda b: b"\n" in b)
@@ -457,10 +466,13 @@ async def boot(spec: BootSpec) -> Booted:
             proc.kill()
             await proc.wait()
             raise
+    except BaseException:
+        os.close(keep_w)
+        raise
     finally:
         for fd in (out_r, err_r, info_r):
             os.close(fd)
-    return Booted(process=proc, init_pid=int(info["child-pid"]))
+    return Booted(process=proc, init_pid=int(info["child-pid"]), keepalive=keep_w)
 
 
 def host_id(sandbox_id: int) -> int:

@@ -169,6 +169,8 @@ class BwrapSandbox:
             if booted is not None:
                 await booted.process.wait()
             await self.cgroup.wait_empty()
+        if booted is not None:
+            booted.close()
         _later(self._cleanup)
 
     def _cleanup(self) -> None:
@@ -363,8 +365,12 @@ def _discard(path: Path) -> None:
         return
     with _trash_lock:
         _trash.append(target)
-        if len(_trash) == 1:
+        start = len(_trash) == 1
+    if start:
+        try:
             threading.Thread(target=_empty_trash, name="sandbox-trash", daemon=True).start()
+        except RuntimeError:  # interpreter shutdown: no new threads, so delete it here
+            _empty_trash()
 
 
 def _empty_trash() -> None:
