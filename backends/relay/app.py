@@ -11,11 +11,11 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import anyio
 
+from backends.asgi import Receive, Scope, Send, send_json
 from backends.relay.http1 import (
     ConnectionPool,
     Response,
@@ -29,15 +29,9 @@ from backends.relay.tokens import Registry, RolloutState
 from backends.relay.trace import CallError, RawCall
 from backends.relay.upstream import RelaySettings, Upstream, error_body
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 CHAT = "v1/chat/completions"
 MODELS = "v1/models"
 _PREFIX = "/rollouts/"
-_JSON = [(b"content-type", b"application/json")]
 # Not forwarded back to the client: hop-by-hop, or recomputed by our server.
 _DROP_RESPONSE = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"proxy-authenticate"}
@@ -478,8 +472,4 @@ async def _reply_error(
 
 
 async def _reply(send: Send, status: int, body: bytes, *, close: bool = False) -> None:
-    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, body, close=close)

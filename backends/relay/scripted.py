@@ -38,7 +38,8 @@ from typing import Any
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backends.relay.app import Receive, Scope, Send, _reply, _reply_error
+from backends.asgi import Receive, Scope, Send, send_json
+from backends.relay.app import _reply, _reply_error
 from backends.relay.serving import Listening, serve_asgi
 from backends.relay.upstream import error_body
 
@@ -415,19 +416,7 @@ class ScriptedPolicyApp:
         }
 
     async def _json(self, send: Send, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(data)).encode()),
-                    *self._header,
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": data})
+        await send_json(send, status, json.dumps(body).encode(), self._header)
 
 
 def _deltas(reply: Reply) -> Iterator[tuple[dict[str, Any], str]]:

@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 from pydantic import BaseModel, ValidationError
 
-from backends.relay.app import Receive, RelayApp, Scope, Send, _reply, _reply_error
+from backends.asgi import Receive, Scope, Send
+from backends.relay.app import RelayApp, _reply, _reply_error
 from backends.relay.serving import Listening, serve_asgi
 from backends.relay.tokens import Grant, Registry, UnknownRolloutError, rollout_path
 from backends.relay.trace import RolloutTrace, build_trace

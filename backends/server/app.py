@@ -29,7 +29,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,9 +38,7 @@ from urllib.parse import parse_qs
 import anyio
 from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from backends.relay import Relay
-
+from backends.asgi import Receive, Scope, Send, send_json
 from backends.rollout.artifacts import ENV_HOME, default_rollout_root
 from backends.rollout.backend import CancelDisposition, ExecutionBackend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure, describe
@@ -64,13 +62,11 @@ from backends.server.store import Store
 from backends.trajectory.redact import MIN_SECRET_LENGTH, REDACTED, redact_text
 from backends.trajectory.save import TrajectoryWriter
 
+if TYPE_CHECKING:
+    from backends.relay import Relay
+
 log = logging.getLogger(__name__)
 
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 ENV_STATE_FILE = "BACKENDS_SERVER_STATE"
 ENV_PREVIEW_ROOT = "BACKENDS_PREVIEW_ROOT"
@@ -770,15 +766,4 @@ def _dumps(value: Any) -> bytes:
 async def _respond(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or ()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, body, headers or ())
