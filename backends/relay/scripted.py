@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -40,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from backends.asgi import Receive, Scope, Send, send_json
 from backends.relay.app import _reply, _reply_error
-from backends.relay.serving import Listening, serve_asgi
+from backends.relay.serving import Served, serve_asgi
 from backends.relay.upstream import error_body
 
 SCRIPTED_HEADER = b"x-scripted-policy"
@@ -463,7 +462,7 @@ async def _sse(send: Send, chunk: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(Served):
     """The scripted policy served from this process.
 
     ``async with ScriptedPolicy(script) as policy:`` serves on ``policy.base_url``
@@ -486,8 +485,6 @@ class ScriptedPolicy:
             script = Script.load(script)
         self.app = ScriptedPolicyApp(script, api_key=api_key)
         self._host, self._port, self._embedded = host, port, embedded
-        self._listening: Listening | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
 
     @property
     def script(self) -> Script:
@@ -507,21 +504,7 @@ class ScriptedPolicy:
             raise RuntimeError("the scripted policy is not serving: use `async with`")
         return self._listening.origin + "/v1"
 
-    async def __aenter__(self) -> ScriptedPolicy:
-        async with contextlib.AsyncExitStack() as stack:
-            self._listening = await stack.enter_async_context(
-                serve_asgi(self.app, host=self._host, port=self._port, embedded=self._embedded)
-            )
-            self._stack = stack.pop_all()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
-        self._listening = None
-        if stack is not None:
-            await stack.aclose()
+    async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        self._listening = await stack.enter_async_context(
+            serve_asgi(self.app, host=self._host, port=self._port, embedded=self._embedded)
+        )

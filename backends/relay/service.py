@@ -8,7 +8,6 @@ import contextlib
 import hmac
 import json
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -16,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from backends.asgi import Receive, Scope, Send
 from backends.relay.app import RelayApp, _reply, _reply_error
-from backends.relay.serving import Listening, serve_asgi
+from backends.relay.serving import Listening, Served, serve_asgi
 from backends.relay.tokens import Grant, Registry, UnknownRolloutError, rollout_path
 from backends.relay.trace import RolloutTrace, build_trace
 from backends.relay.upstream import RelaySettings, Upstream
@@ -84,7 +83,7 @@ class RelayCore:
         return base.rstrip("/") + rollout_path(rollout_id)
 
 
-class Relay:
+class Relay(Served):
     """The rollout-scoped policy relay, served from this process.
 
     ``async with Relay(upstream_url=..., upstream_api_key=...) as relay:`` serves on
@@ -118,8 +117,6 @@ class Relay:
         self._unix = Path(unix_socket_path) if unix_socket_path is not None else None
         self._advertised = advertised_url.rstrip("/") if advertised_url else None
         self._embedded = embedded
-        self._listening: Listening | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
 
     @property
     def app(self) -> RelayApp:
@@ -143,32 +140,18 @@ class Relay:
         """The origin remote sandboxes use, if one was given."""
         return self._advertised
 
-    async def __aenter__(self) -> Relay:
-        async with contextlib.AsyncExitStack() as stack:
-            stack.callback(self.core.app.close)
-            self._listening = await stack.enter_async_context(
-                serve_asgi(
-                    self.core.app,
-                    host=self._host,
-                    port=self._port,
-                    unix_socket_path=self._unix,
-                    embedded=self._embedded,
-                )
+    async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        stack.callback(self.core.app.close)
+        self._listening = await stack.enter_async_context(
+            serve_asgi(
+                self.core.app,
+                host=self._host,
+                port=self._port,
+                unix_socket_path=self._unix,
+                embedded=self._embedded,
             )
-            self.core.origin = self._listening.origin
-            self._stack = stack.pop_all()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
-        self._listening = None
-        if stack is not None:
-            await stack.aclose()
+        )
+        self.core.origin = self._listening.origin
 
     async def serve_forever(self) -> None:
         """Serve until cancelled (the standalone process's main loop)."""

@@ -14,7 +14,8 @@ import socket
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import anyio
 import uvicorn
@@ -37,6 +38,37 @@ class Listening:
     def origin(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+class Served:
+    """Base of objects that serve an ASGI app while inside ``async with`` (relay, policy).
+
+    ``_open`` starts what the object serves on the given exit stack and sets ``_listening``;
+    leaving the block closes the stack, stopping the server.
+    """
+
+    _listening: Listening | None = None
+    _stack: contextlib.AsyncExitStack | None = None
+
+    async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        async with contextlib.AsyncExitStack() as stack:
+            await self._open(stack)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        self._listening = None
+        if stack is not None:
+            await stack.aclose()
 
 
 class _EmbeddedServer(uvicorn.Server):
