@@ -95,8 +95,16 @@ class BwrapSandbox:
         """
         launcher.require_host()
         try:
-            # A few mkdirs and cgroup writes: cheaper inline than a hop to a worker thread.
-            self._prepare()
+            taken = _pool.take(self._pool_key()) if self.spec.upper is None else None
+            if taken is not None:
+                # Run dir, owner record, cgroups, limits and precreated dirs were made ahead
+                # of time: the sandbox takes that entry's name.
+                self.name, self.dir = taken, run_dir() / taken
+                self.cgroup = cgroups.SandboxCgroup(taken)
+                launcher.prepare_stage(self._boot_spec())
+            else:
+                # A few mkdirs and cgroup writes: cheaper inline than a hop to a worker thread.
+                self._prepare()
             self._booted = await launcher.boot(self._boot_spec())
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -116,32 +124,12 @@ class BwrapSandbox:
             stage_dir=self.dir / "binds",
         )
 
-    def _prepare(self) -> None:
-        self.dir.mkdir(parents=True)
-        # Atomically: a concurrent reap_orphans (another process) must never read a
-        # half-written record and take this live sandbox for an orphan.
-        (self.dir / "owner.new").write_text(_owner_record(os.getpid()))
-        (self.dir / "owner.new").rename(self.dir / "owner")
-        (self.dir / "work").mkdir()
-        self.upper.mkdir(parents=True, exist_ok=True)
-        for d in (self.upper, self.dir / "work"):
-            os.chown(d, UID_BASE, UID_BASE)
-        launcher.prepare_stage(self._boot_spec())
-        for path in self.spec.precreate_dirs:
-            self._precreate(path)
-        self.cgroup.create(self.spec.limits)
+    def _pool_key(self) -> _PoolKey:
+        return (self.spec.limits, tuple(self.spec.precreate_dirs))
 
-    def _precreate(self, path: str) -> None:
-        # Written straight into the fresh (still empty, sandbox-free) upper layer: cheaper
-        # than an exec, and nothing inside can race us yet.
-        current = self.upper
-        for part in Path(path.lstrip("/")).parts:
-            current = current / part
-            if not current.exists():
-                current.mkdir()
-                os.chown(current, UID_BASE, UID_BASE)
-                current.chmod(0o755)
-        current.chmod(0o777)
+    def _prepare(self) -> None:
+        _prepare_dir(self.dir, self.cgroup, self.upper, self._pool_key())
+        launcher.prepare_stage(self._boot_spec())
 
     async def stop(self) -> None:
         """Kill every process of the sandbox (daemons included) and remove all its state.
@@ -271,6 +259,123 @@ class BwrapSandbox:
         finally:
             ours.close_all()
             self.cgroup.drop_exec_group(group)
+
+
+_PoolKey = tuple[cgroups.Limits, tuple[str, ...]]
+
+
+def _prepare_dir(
+    directory: Path, cgroup: cgroups.SandboxCgroup, upper: Path, key: _PoolKey
+) -> None:
+    """Run dir (owner record first), overlay dirs, precreated dirs, cgroups with limits."""
+    directory.mkdir(parents=True)
+    # Atomically: a concurrent reap_orphans (another process) must never read a
+    # half-written record and take this live sandbox for an orphan.
+    (directory / "owner.new").write_text(_owner_record(os.getpid()))
+    (directory / "owner.new").rename(directory / "owner")
+    work = directory / "work"
+    work.mkdir()
+    upper.mkdir(parents=True, exist_ok=True)
+    for d in (upper, work):
+        os.chown(d, UID_BASE, UID_BASE)
+    limits, precreate = key
+    for path in precreate:
+        _precreate(upper, path)
+    cgroup.create(limits)
+
+
+def _precreate(upper: Path, path: str) -> None:
+    # Written straight into the fresh (still empty, sandbox-free) upper layer: cheaper
+    # than an exec, and nothing inside can race us yet.
+    current = upper
+    for part in Path(path.lstrip("/")).parts:
+        current = current / part
+        try:
+            os.mkdir(current, 0o755)
+        except FileExistsError:
+            continue
+        os.chown(current, UID_BASE, UID_BASE)
+        os.chmod(current, 0o755)  # not narrowed by the umask
+    os.chmod(current, 0o777)
+
+
+POOL_SIZE = 4  # prepared entries kept per kind of sandbox (limits + precreated dirs)
+
+
+class _Pool:
+    """Sandbox run dirs and cgroups prepared ahead of time, off the critical path of start.
+
+    `take` hands out a ready entry (or None) and asks the cleanup thread to top the pool
+    up for that kind. Entries carry our owner record, so `reap_orphans` leaves them alone
+    while we live and removes them once we are gone; `close` (at interpreter exit) removes
+    them at once. A forked child never takes its parent's entries.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready: dict[_PoolKey, list[str]] = {}
+        self._filling: set[_PoolKey] = set()
+        self._pid = os.getpid()
+        self._closed = False
+
+    def take(self, key: _PoolKey) -> str | None:
+        with self._lock:
+            if self._pid != os.getpid():  # forked: those entries are the parent's
+                self._ready, self._filling, self._pid = {}, set(), os.getpid()
+            if self._closed:
+                return None
+            names = self._ready.get(key)
+            name = names.pop() if names else None
+            fill = key not in self._filling
+            if fill:
+                self._filling.add(key)
+        if fill:
+            _later(lambda: self._fill(key))
+        return name
+
+    def _fill(self, key: _PoolKey) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or len(self._ready.get(key, ())) >= POOL_SIZE:
+                        return
+                name = f"sbx-{uuid.uuid4().hex[:12]}"
+                directory, cgroup = run_dir() / name, cgroups.SandboxCgroup(name)
+                try:
+                    _prepare_dir(directory, cgroup, directory / "upper", key)
+                except Exception as e:  # start() will prepare inline and report it
+                    log.debug("could not prepare a pooled sandbox: %s", e)
+                    _remove_entry(name)
+                    return
+                with self._lock:
+                    keep = not self._closed and self._pid == os.getpid()
+                    if keep:
+                        self._ready.setdefault(key, []).append(name)
+                if not keep:
+                    _remove_entry(name)
+                    return
+        finally:
+            with self._lock:
+                self._filling.discard(key)
+
+    def close(self) -> None:
+        """Remove every unused entry; no more are made or handed out."""
+        with self._lock:
+            self._closed = True
+            names = [n for ns in self._ready.values() for n in ns]
+            self._ready.clear()
+            ours = self._pid == os.getpid()
+        if ours:
+            for name in names:
+                _remove_entry(name)
+
+
+def _remove_entry(name: str) -> None:
+    cgroups.SandboxCgroup(name).remove()
+    shutil.rmtree(run_dir() / name, ignore_errors=True)
+
+
+_pool = _Pool()
 
 
 def _alive(pid: int) -> bool:
@@ -441,7 +546,8 @@ def flush_cleanup(timeout: float = 30.0) -> None:
 
 
 atexit.register(flush_trash)
-atexit.register(flush_cleanup)  # registered last, so it runs first
+atexit.register(flush_cleanup)
+atexit.register(_pool.close)  # registered last, so it runs first: no refill after it
 
 
 def _start_time(pid: int) -> str:
@@ -452,8 +558,17 @@ def _start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+_own_record: tuple[int, str] = (0, "")
+
+
 def _owner_record(pid: int) -> str:
-    return f"{pid} {_start_time(pid)}\n"
+    global _own_record
+    if _own_record[0] == pid:  # our own start time never changes: read it once
+        return _own_record[1]
+    record = f"{pid} {_start_time(pid)}\n"
+    if pid == os.getpid():
+        _own_record = (pid, record)
+    return record
 
 
 def _owner_alive(record: str) -> bool:
