@@ -215,7 +215,8 @@ async def test_server_saves_a_valid_trajectory_beside_the_artifacts(tmp_path: Pa
     assert not (root / "failed" / "trajectory.json").exists()
 
 
-def test_trajectory_writer_saves_in_the_background_and_drops_past_its_bound(
+@pytest.mark.anyio
+async def test_trajectory_writer_saves_in_the_background_and_waits_past_its_bound(
     tmp_path: Path,
 ) -> None:
     def result(rid: str) -> RolloutResult:
@@ -227,18 +228,19 @@ def test_trajectory_writer_saves_in_the_background_and_drops_past_its_bound(
         return RolloutResult(rollout_id=rid, status=RolloutStatus.SUCCESS, sample=sample)
 
     writer = TrajectoryWriter(tmp_path, max_pending=2)
-    # Not started: the queue fills up and then drops, without blocking the caller.
-    assert writer.submit(result("a"), secrets=[KEY]) and writer.submit(result("b"))
-    assert not writer.submit(result("c"))
-    assert writer.dropped == 1
-    assert not writer.submit(RolloutResult(rollout_id="none", status=RolloutStatus.SUCCESS))
     writer.start()
-    writer.close(timeout=30)  # saves what was queued
-    assert writer.saved == 2
-    saved = (tmp_path / "a" / "trajectory.json").read_text()
-    assert json.loads(saved)["session_id"] == "a" and KEY not in saved
-    assert (tmp_path / "b" / "trajectory.json").is_file()
-    assert not (tmp_path / "c").exists()
+    assert not await writer.submit(RolloutResult(rollout_id="none", status=RolloutStatus.SUCCESS))
+    # A burst far past the bound: submitters wait for the writer, and nothing is lost.
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(40):
+                tg.start_soon(lambda rid=f"r{i}": writer.submit(result(rid), secrets=[KEY]))
+    await anyio.to_thread.run_sync(writer.close, 30)
+    assert writer.saved == 40
+    saved = (tmp_path / "r0" / "trajectory.json").read_text()
+    assert json.loads(saved)["session_id"] == "r0" and KEY not in saved
+    assert all((tmp_path / f"r{i}" / "trajectory.json").is_file() for i in range(40))
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.anyio

@@ -415,9 +415,6 @@ class RolloutServer:
             await self._store.finish(entry.rollout_id, result.status.value, finished_at, text)
         except Exception:
             log.exception("could not record the result of rollout %s", entry.rollout_id)
-        if self._trajectories is not None:
-            # Saved in the background once the result is durable: a file never delays it.
-            self._trajectories.submit(result, secrets=[key])
         entry.body = text.encode()
         entry.status = result.status
         entry.finished_at = finished_at
@@ -428,6 +425,10 @@ class RolloutServer:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        if self._trajectories is not None:
+            # Saved in the background once the result is durable and served: a file never
+            # delays a result, and a burst waits for the writer instead of being dropped.
+            await self._trajectories.submit(result, secrets=[key])
 
     # -- GET /rollout/{id}/result ----------------------------------------------------------
 

@@ -7,6 +7,7 @@ other secret handed in) is replaced wherever it appears; the rest is saved as pr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -88,40 +89,38 @@ def save_trajectory(
 class TrajectoryWriter:
     """Saves trajectories from one background thread, so that no result waits for its file.
 
-    Best effort and bounded: at most ``max_pending`` trajectories wait; past that a new one is
-    dropped with a log line (a result is never delayed or changed for a file). ``close`` saves
-    those still waiting, then stops the thread. ``submit`` may be called from any thread.
+    At most ``max_pending`` trajectories wait in memory; past that, ``submit`` waits (in the
+    event loop, never in a thread) until the writer catches up, so a burst slows the saving of
+    files instead of losing them. Call ``submit`` after the result is published: it never
+    delays a result. ``close`` saves those still queued, then stops the thread.
     """
 
     def __init__(self, root: Path | str, *, max_pending: int = 1024) -> None:
         self.root = Path(root)
-        self._queue: queue.Queue[Any] = queue.Queue(max_pending)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._max_pending = max_pending
+        self._slots: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.saved = 0
-        self.dropped = 0
 
     def start(self) -> None:
+        """Start the writer thread; call from the event loop that will submit."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="trajectories", daemon=True)
+            self._loop = asyncio.get_running_loop()
+            self._slots = asyncio.Semaphore(self._max_pending)
+            self._thread = threading.Thread(target=self._run, name="trajectories", daemon=True)
             self._thread.start()
 
-    def submit(self, result: RolloutResult, *, secrets: Iterable[str | None] = ()) -> bool:
-        """Queue ``result``'s trajectory; ``False`` if there is none, or it was dropped."""
+    async def submit(self, result: RolloutResult, *, secrets: Iterable[str | None] = ()) -> bool:
+        """Queue ``result``'s trajectory, waiting for room; ``False`` if it has none."""
         sample = result.sample
         if sample is None or not sample.trajectory_messages:
             return False
-        try:
-            self._queue.put_nowait((result, tuple(secrets)))
-        except queue.Full:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning(
-                    "trajectory writer is %d behind: dropped %d trajectories so far (rollout %s)",
-                    self._queue.maxsize,
-                    self.dropped,
-                    result.rollout_id,
-                )
-            return False
+        if self._slots is None:
+            raise RuntimeError("TrajectoryWriter.start() was not called")
+        await self._slots.acquire()
+        self._queue.put((result, tuple(secrets)))
         return True
 
     def close(self, timeout: float | None = None) -> None:
@@ -131,11 +130,21 @@ class TrajectoryWriter:
             self._queue.put(None)
             thread.join(timeout)
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             result, secrets = item
-            if save_trajectory(self.root, result, secrets=secrets) is not None:
-                self.saved += 1
+            try:
+                if save_trajectory(self.root, result, secrets=secrets) is not None:
+                    self.saved += 1
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        if self._loop is not None and self._slots is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._slots.release)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
 
 
 def write_atomic(path: Path, data: bytes) -> None:
