@@ -112,13 +112,22 @@ class SandboxCgroup:
         self.layout = lay or layout()
         self._dirs: list[Path] = []
         self.v2_dir: Path | None = None
+        # Plain strings: these run on every start and exec, where pathlib's cost shows.
+        self._v2_str: str | None = None
+        seen: set[str] = set()
         if self.layout.v2_root is not None:
-            self.v2_dir = self.layout.v2_root / GROUP / name
+            self._v2_str = f"{self.layout.v2_root}/{GROUP}/{name}"
+            self.v2_dir = Path(self._v2_str)
             self._dirs.append(self.v2_dir)
+            seen.add(self._v2_str)
+        v1_procs: list[str] = []
         for mount in self.layout.v1.values():
-            d = mount / GROUP / name
-            if d not in self._dirs:
-                self._dirs.append(d)
+            d = f"{mount}/{GROUP}/{name}"
+            if d not in seen:
+                seen.add(d)
+                self._dirs.append(Path(d))
+            v1_procs.append(f"{d}/cgroup.procs")
+        self._v1_procs = list(dict.fromkeys(v1_procs))
 
     def create(self, limits: Limits) -> None:
         """Make the groups and write the limits.
@@ -180,11 +189,9 @@ class SandboxCgroup:
 
     def procs_files(self, sub: str = "init") -> list[str]:
         """cgroup.procs files a new process must join: v1 groups and a v2 child group."""
-        files = [
-            str(mount / GROUP / self.name / "cgroup.procs") for mount in self.layout.v1.values()
-        ]
-        if self.v2_dir is not None:
-            files.append(str(self.v2_dir / sub / "cgroup.procs"))
+        files = list(self._v1_procs)
+        if self._v2_str is not None:
+            files.append(f"{self._v2_str}/{sub}/cgroup.procs")
         return list(dict.fromkeys(files))
 
     def new_exec_group(self, sub: str) -> None:
