@@ -426,6 +426,7 @@ def _parses(data: bytes) -> bool:
 
 
 INFO_FD = 3
+BOOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
 
 async def boot(spec: BootSpec) -> Booted:
@@ -443,7 +444,9 @@ async def boot(spec: BootSpec) -> Booted:
         try:
             proc = await spawner().spawn(
                 bwrap_argv(bwrap, spec, INFO_FD),
-                env=dict(os.environ),
+                # bwrap and the keepalive need nothing from the owner's environment (and
+                # the host's variables have no business in the sandbox's /proc/1/environ).
+                env=BOOT_ENV,
                 fds=(keep_r, out_w, err_w, info_w),
                 cgroup_procs=spec.cgroup_procs,
                 boot=_boot_request(spec),

@@ -72,11 +72,25 @@ class BwrapSandbox:
     def __init__(self, spec: SandboxSpec, name: str | None = None) -> None:
         self.spec = spec
         self.name = name or f"sbx-{uuid.uuid4().hex[:12]}"
-        self.dir = run_dir() / self.name
-        self.cgroup = cgroups.SandboxCgroup(self.name)
+        self._dir: Path | None = None
+        self._cgroup: cgroups.SandboxCgroup | None = None
         self._booted: launcher.Booted | None = None
         self._users: dict[str | int, User] = {}
         self._exec_ids = itertools.count()
+
+    # Built on first use: a sandbox that takes a pooled entry takes that entry's name, so
+    # computing them for the constructor's name would be wasted work on every start.
+    @property
+    def dir(self) -> Path:
+        if self._dir is None:
+            self._dir = run_dir() / self.name
+        return self._dir
+
+    @property
+    def cgroup(self) -> cgroups.SandboxCgroup:
+        if self._cgroup is None:
+            self._cgroup = cgroups.SandboxCgroup(self.name)
+        return self._cgroup
 
     @property
     def running(self) -> bool:
@@ -99,13 +113,14 @@ class BwrapSandbox:
             if taken is not None:
                 # Run dir, owner record, cgroups, limits and precreated dirs were made ahead
                 # of time: the sandbox takes that entry's name.
-                self.name, self.dir = taken, run_dir() / taken
-                self.cgroup = cgroups.SandboxCgroup(taken)
-                launcher.prepare_stage(self._boot_spec())
+                self.name, self._dir, self._cgroup = taken, None, None
+                spec = self._boot_spec()
             else:
                 # A few mkdirs and cgroup writes: cheaper inline than a hop to a worker thread.
-                self._prepare()
-            self._booted = await launcher.boot(self._boot_spec())
+                spec = self._boot_spec()
+                _prepare_dir(self.dir, self.cgroup, self.upper, self._pool_key())
+            launcher.prepare_stage(spec)
+            self._booted = await launcher.boot(spec)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown(None)
@@ -126,10 +141,6 @@ class BwrapSandbox:
 
     def _pool_key(self) -> _PoolKey:
         return (self.spec.limits, tuple(self.spec.precreate_dirs))
-
-    def _prepare(self) -> None:
-        _prepare_dir(self.dir, self.cgroup, self.upper, self._pool_key())
-        launcher.prepare_stage(self._boot_spec())
 
     async def stop(self) -> None:
         """Kill every process of the sandbox (daemons included) and remove all its state.
@@ -440,11 +451,19 @@ async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None
 MOUNT_POINT = ".mnt"
 
 
+_mount_points: dict[Path, tuple[str, Path]] = {}
+
+
 def _shared_mount_point() -> Path:
-    point = run_dir() / MOUNT_POINT
-    if not point.is_dir():
-        point.mkdir(parents=True, exist_ok=True)
-    return point
+    """The (empty) directory every sandbox mounts its overlay on, made when missing."""
+    base = run_dir()
+    hit = _mount_points.get(base)
+    if hit is None:
+        point = base / MOUNT_POINT
+        hit = _mount_points[base] = (str(point), point)
+    if not os.path.isdir(hit[0]):  # a plain stat: the run dir may have been wiped
+        hit[1].mkdir(parents=True, exist_ok=True)
+    return hit[1]
 
 
 TRASH = ".trash"  # run-dir entry holding stopped sandboxes' directories until deleted
