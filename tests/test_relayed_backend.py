@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from openai import AsyncOpenAI
+from policy_support import completion, policy_server
 
 from backends import (
     AgentWorkflow,
@@ -33,41 +33,16 @@ UPSTREAM_KEY = "sk-upstream-secret-0123456789"
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[str]:
-    """A tiny OpenAI-compatible upstream: answers "42", or 502 when asked to fail."""
+    """A policy that answers "42", or 502 when asked to fail; it insists on the upstream key."""
 
-    async def chat(request: web.Request) -> web.Response:
-        assert request.headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
-        body = await request.json()
+    def reply(body: dict[str, Any], auth: str) -> tuple[int, dict[str, Any]]:
+        assert auth == f"Bearer {UPSTREAM_KEY}"
         if "fail" in body["messages"][-1]["content"]:
-            return web.json_response({"error": {"message": "overloaded"}}, status=502)
-        return web.json_response(
-            {
-                "id": "c1",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "42"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-            }
-        )
+            return 502, {"error": {"message": "overloaded"}}
+        return 200, completion(body, "42")
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
+    async with policy_server(reply) as url:
+        yield url
 
 
 SEEN: dict[str, Any] = {}

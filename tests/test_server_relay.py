@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 from openai import AsyncOpenAI
+from policy_support import completion, policy_server
 from server_support import rollout_body, serve_in_process
 
 from backends import (
@@ -34,47 +34,16 @@ LOGPROBS = [-0.25, -0.5]
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[tuple[str, list[str]]]:
-    """A tiny OpenAI-compatible policy answering "42" with token ids and logprobs; it records
-    the Authorization header of each call."""
+    """A policy answering "42" with token ids and logprobs; it records each call's
+    Authorization header."""
     seen_auth: list[str] = []
 
-    async def chat(request: web.Request) -> web.Response:
-        seen_auth.append(request.headers.get("Authorization", ""))
-        body = await request.json()
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "42"},
-            "finish_reason": "stop",
-            "token_ids": TOKEN_IDS,
-            "logprobs": {
-                "content": [
-                    {"token": token, "logprob": lp, "top_logprobs": []}
-                    for token, lp in zip(("4", "2"), LOGPROBS, strict=True)
-                ]
-            },
-        }
-        return web.json_response(
-            {
-                "id": "c1",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [choice],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
-            }
-        )
+    def reply(body: dict[str, Any], auth: str) -> tuple[int, dict[str, Any]]:
+        seen_auth.append(auth)
+        return 200, completion(body, "42", token_ids=TOKEN_IDS, logprobs=LOGPROBS)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/v1", seen_auth
-    finally:
-        await runner.cleanup()
+    async with policy_server(reply) as url:
+        yield url, seen_auth
 
 
 SEEN: dict[str, Any] = {}
