@@ -7,6 +7,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
+from openai import AsyncOpenAI
+
+from backends import AgentWorkflow, AgentWorkflowContext, Grader, GraderContext, get_rollout_context
 
 # reply(request body, Authorization header) -> (HTTP status, JSON body)
 Reply = Callable[[dict[str, Any], str], tuple[int, dict[str, Any]]]
@@ -69,3 +72,36 @@ async def policy_server(reply: Reply) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         await runner.cleanup()
+
+
+# What the workflow below saw: the URL and key its rollout context handed it.
+SEEN: dict[str, Any] = {}
+
+
+class AskPolicy(AgentWorkflow[Any]):
+    """Asks the policy once with the openai client, through whatever URL and key it is given.
+
+    A failing call surfaces as the agent's own error, as a real agent's would.
+    """
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
+        rollout = get_rollout_context()
+        assert rollout is not None
+        SEEN["url"], SEEN["key"] = rollout.base_url, rollout.api_key
+        client = AsyncOpenAI(base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0)
+        try:
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=ctx.prompt,  # type: ignore[arg-type]
+            )
+        except Exception as exc:
+            raise RuntimeError("my agent could not continue") from exc
+        finally:
+            await client.close()
+        return [*ctx.prompt, reply.choices[0].message.model_dump(exclude_none=True)]
+
+
+class Exact(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        assert ctx.sample is not None
+        ctx.set_reward(float(ctx.sample.messages[-1]["content"] == ctx.label))

@@ -9,19 +9,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
-from policy_support import completion, policy_server
+from policy_support import SEEN, AskPolicy, Exact, completion, policy_server
 
 from backends import (
-    AgentWorkflow,
-    AgentWorkflowContext,
     ErrorCategory,
-    Grader,
-    GraderContext,
     LocalBackend,
     RolloutRequest,
     RolloutStatus,
-    get_rollout_context,
 )
 from backends.relay import Relay
 from backends.relayed import TRACE_FIELD, RelayedBackend
@@ -45,30 +39,6 @@ async def upstream() -> AsyncIterator[str]:
         yield url
 
 
-SEEN: dict[str, Any] = {}
-
-
-class Ask(AgentWorkflow[Any]):
-    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
-        rollout = get_rollout_context()
-        assert rollout is not None
-        SEEN["url"], SEEN["key"] = rollout.base_url, rollout.api_key
-        client = AsyncOpenAI(base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0)
-        try:
-            reply = await client.chat.completions.create(model="policy", messages=ctx.prompt)
-        except Exception as exc:
-            raise RuntimeError("my agent could not continue") from exc
-        finally:
-            await client.close()
-        return [*ctx.prompt, reply.choices[0].message.model_dump(exclude_none=True)]
-
-
-class Exact(Grader):
-    async def grade(self, ctx: GraderContext) -> None:
-        assert ctx.sample is not None
-        ctx.set_reward(float(ctx.sample.messages[-1]["content"] == ctx.label))
-
-
 def request(rid: str, question: str, upstream: str) -> RolloutRequest:
     return RolloutRequest(
         rollout_id=rid,
@@ -82,7 +52,7 @@ def request(rid: str, question: str, upstream: str) -> RolloutRequest:
 async def test_agent_sees_only_its_route_and_the_trace_comes_back(
     upstream: str, tmp_path: Path
 ) -> None:
-    backend = LocalBackend(workflow=Ask, grader=Exact, artifacts_root=tmp_path)
+    backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=tmp_path)
     async with Relay() as relay:
         relayed = RelayedBackend(backend, relay)
         result = await relayed.execute(request("r1", "6 * 7?", upstream))
@@ -103,7 +73,7 @@ async def test_agent_sees_only_its_route_and_the_trace_comes_back(
 
 
 async def test_a_failing_policy_is_blamed_not_the_agent(upstream: str, tmp_path: Path) -> None:
-    backend = LocalBackend(workflow=Ask, grader=Exact, artifacts_root=tmp_path)
+    backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=tmp_path)
     async with Relay() as relay:
         result = await RelayedBackend(backend, relay).execute(request("r2", "fail", upstream))
     assert result.failure is not None
@@ -115,7 +85,7 @@ async def test_a_failing_policy_is_blamed_not_the_agent(upstream: str, tmp_path:
 
 
 async def test_no_upstream_anywhere_is_a_clear_error(tmp_path: Path) -> None:
-    backend = LocalBackend(workflow=Ask, grader=Exact, artifacts_root=tmp_path)
+    backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=tmp_path)
     async with Relay() as relay:
         bare = RolloutRequest(rollout_id="r3", prompt=[{"role": "user", "content": "q"}], label="1")
         result = await RelayedBackend(backend, relay).execute(bare)

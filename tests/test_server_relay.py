@@ -10,17 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI
-from policy_support import completion, policy_server
+from policy_support import SEEN, AskPolicy, Exact, completion, policy_server
 from server_support import rollout_body, serve_in_process
 
 from backends import (
-    AgentWorkflow,
-    AgentWorkflowContext,
-    Grader,
-    GraderContext,
     LocalBackend,
-    get_rollout_context,
 )
 from backends.relay import Relay
 from backends.server import LEASE_HEADER, create_rollout_server
@@ -44,30 +38,6 @@ async def upstream() -> AsyncIterator[tuple[str, list[str]]]:
 
     async with policy_server(reply) as url:
         yield url, seen_auth
-
-
-SEEN: dict[str, Any] = {}
-
-
-class AskPolicy(AgentWorkflow[Any]):
-    """Asks the policy once with the openai client, through whatever URL and key it is given."""
-
-    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
-        rollout = get_rollout_context()
-        assert rollout is not None
-        SEEN["url"], SEEN["key"] = rollout.base_url, rollout.api_key
-        client = AsyncOpenAI(base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0)
-        try:
-            reply = await client.chat.completions.create(model="policy", messages=ctx.prompt)
-        finally:
-            await client.close()
-        return [*ctx.prompt, {"role": "assistant", "content": reply.choices[0].message.content}]
-
-
-class Exact(Grader):
-    async def grade(self, ctx: GraderContext) -> None:
-        assert ctx.sample is not None
-        ctx.set_reward(float(ctx.sample.messages[-1]["content"] == ctx.label))
 
 
 async def run_one(url: str, rid: str, policy_url: str) -> dict[str, Any]:
