@@ -24,6 +24,7 @@ from backends.sandbox.errors import HostPrerequisiteError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP = "backends"  # parent group holding every sandbox, so leftovers are easy to find
 CPU_PERIOD_US = 100_000
+KILL_WAIT_SEC = 5.0  # how long killed processes may take to leave their cgroup
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class SandboxCgroup:
             _write(self.v2_dir / "cgroup.kill", "1")
         return True
 
-    async def wait_empty(self, limit_sec: float = 5.0) -> None:
+    async def wait_empty(self, limit_sec: float = KILL_WAIT_SEC) -> None:
         """Wait (on the event loop) until no process is left in the sandbox's v2 group."""
         if self.v2_dir is None:
             return

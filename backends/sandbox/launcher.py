@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
 
@@ -68,6 +70,9 @@ class BootSpec:
     binds: Sequence[Bind] = field(default_factory=list)
     hostname: str = "sandbox"
     stage_dir: Path = Path("/nonexistent")  # where binds are staged before entering the userns
+    # A scratch upper layer (deleted at stop) needs no durability: a volatile overlay skips
+    # syncing the whole upper filesystem at unmount, about 1 ms off every stop here.
+    volatile: bool = False
 
 
 @functools.cache
@@ -109,8 +114,9 @@ def prepare_stage(spec: BootSpec) -> None:
 
 def _boot_request(spec: BootSpec) -> dict[str, object]:
     lower = ":".join(str(p) for p in spec.lowerdirs)
+    options = f"lowerdir={lower},upperdir={spec.upper},workdir={spec.work},userxattr"
     return {
-        "options": f"lowerdir={lower},upperdir={spec.upper},workdir={spec.work},userxattr",
+        "options": f"{options},volatile" if spec.volatile else options,
         "merged": str(spec.merged),
         "stages": [[str(b.source), str(staged(spec, i))] for i, b in enumerate(spec.binds)],
     }
@@ -410,11 +416,19 @@ class Booted:
     process: SandboxProcess
     init_pid: int  # host pid of the sandbox's pid 1: commands join its namespaces
     keepalive: int  # write end of the first process's stdin: closing it ends that process
+    init_fd: int = -1  # pidfd of pid 1: readable once it, and so its whole pid namespace, is gone
+
+    async def init_exited(self) -> None:
+        """Wait until the sandbox's pid 1 has exited (after everything else in it)."""
+        if self.init_fd >= 0:
+            await anyio.wait_readable(self.init_fd)
 
     def close(self) -> None:
-        fd, self.keepalive = self.keepalive, -1
-        if fd >= 0:
-            os.close(fd)
+        for name in ("keepalive", "init_fd"):
+            fd = getattr(self, name)
+            setattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
 
 
 def _parses(data: bytes) -> bool:
@@ -475,7 +489,12 @@ async def boot(spec: BootSpec) -> Booted:
     finally:
         for fd in (out_r, err_r, info_r):
             os.close(fd)
-    return Booted(process=proc, init_pid=int(info["child-pid"]), keepalive=keep_w)
+    init_pid = int(info["child-pid"])
+    try:
+        init_fd = os.pidfd_open(init_pid)
+    except ProcessLookupError:
+        init_fd = -1  # already gone: nothing to wait for
+    return Booted(process=proc, init_pid=init_pid, keepalive=keep_w, init_fd=init_fd)
 
 
 def host_id(sandbox_id: int) -> int:

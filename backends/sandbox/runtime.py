@@ -137,6 +137,7 @@ class BwrapSandbox:
             network=self.spec.network,
             binds=self.spec.binds,
             stage_dir=self.dir / "binds",
+            volatile=self.spec.upper is None,
         )
 
     def _pool_key(self) -> _PoolKey:
@@ -162,6 +163,10 @@ class BwrapSandbox:
         if booted is not None:
             booted.process.kill()
         if self.cgroup.start_kill():
+            if booted is not None:
+                # An event rather than polling: the cgroup empties right after pid 1 exits.
+                with anyio.move_on_after(cgroups.KILL_WAIT_SEC):
+                    await booted.init_exited()
             await self.cgroup.wait_empty()
         else:  # no cgroup.kill on this host
             await anyio.to_thread.run_sync(self.cgroup.kill)
