@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import io
 import logging
 import os
 import posixpath
 import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,24 +259,21 @@ async def _copy(
     sources, dest = words[:-1], posixpath.join(image.workdir, words[-1])
     probe = await box.run(["test", "-d", dest], user=root)
     into_dir = words[-1].endswith("/") or len(sources) > 1 or probe.return_code == 0
-    buf = io.BytesIO()
     targets: list[str] = []
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for src in _expand_sources(context, sources, ins):
-            if src.is_dir():
-                target = dest
-                for child in sorted(src.iterdir()):
-                    tar.add(
-                        str(child),
-                        arcname=posixpath.join(target, child.name).lstrip("/"),
-                        filter=_as_root,
-                    )
-                    targets.append(posixpath.join(target, child.name))
-            else:
-                target = posixpath.join(dest, src.name) if into_dir else dest
-                tar.add(str(src), arcname=target.lstrip("/"), filter=_as_root)
-                targets.append(target)
-    res = await box.run(["tar", "-x", "-p", "-C", "/", "-f", "-"], user=root, stdin=buf.getvalue())
+    with tempfile.TemporaryFile() as archive:
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            for src in _expand_sources(context, sources, ins):
+                if src.is_dir():
+                    for child in sorted(src.iterdir()):
+                        arcname = posixpath.join(dest, child.name)
+                        tar.add(str(child), arcname=arcname.lstrip("/"), filter=_as_root)
+                        targets.append(arcname)
+                else:
+                    target = posixpath.join(dest, src.name) if into_dir else dest
+                    tar.add(str(src), arcname=target.lstrip("/"), filter=_as_root)
+                    targets.append(target)
+        archive.seek(0)
+        res = await box.run(["tar", "-x", "-p", "-C", "/", "-f", "-"], user=root, stdin=archive)
     if res.return_code == 0 and targets and (flags.get("chown") or flags.get("chmod")):
         if flags.get("chown"):
             res = await box.run(["chown", "-R", flags["chown"], "--", *targets], user=root)

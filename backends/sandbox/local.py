@@ -10,10 +10,11 @@ import logging
 import re
 import shlex
 import sys
+import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import anyio
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -29,7 +30,7 @@ from backends.sandbox import layers, transfer
 from backends.sandbox.cgroups import Limits
 from backends.sandbox.errors import SandboxNotRunningError, SandboxPathError, UnsupportedTaskError
 from backends.sandbox.launcher import Bind
-from backends.sandbox.runtime import BwrapSandbox, SandboxSpec, reap_orphans
+from backends.sandbox.runtime import OUTPUT_LIMIT, BwrapSandbox, SandboxSpec, reap_orphans
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class LocalSandbox(BaseEnvironment):
     - `network`: "public" or "none" to override the task's network mode.
     - `pids_limit`: maximum processes in the sandbox (default 2048; fork bombs stop there).
     - `build_network`: "public" (default, like `docker build`) or "none" for RUN steps.
+    - `max_output_bytes`: output an `exec` keeps per stream (default 64 MiB); the rest is
+      drained, dropped, and reported at the end of its stderr.
 
     Not supported, and refused at construction with an error naming it: GPUs and TPUs,
     network allowlists, docker-compose environments, Windows. `storage_mb` cannot be enforced
@@ -123,6 +126,7 @@ class LocalSandbox(BaseEnvironment):
         network: str | None = None,
         pids_limit: int | str = DEFAULT_PIDS_LIMIT,
         build_network: str = "public",
+        max_output_bytes: int | str = OUTPUT_LIMIT,
         **kwargs: Any,
     ) -> None:
         self._extra_binds = _parse_binds(extra_binds)
@@ -136,6 +140,9 @@ class LocalSandbox(BaseEnvironment):
         self._network_override = network
         self._pids_limit = int(pids_limit)
         self._build_network = build_network != "none"
+        self._max_output = int(max_output_bytes)
+        if self._max_output < 0:
+            raise ValueError(f"max_output_bytes must be >= 0, not {max_output_bytes!r}")
         self._box: BwrapSandbox | None = None
         self._image: layers.Image | None = None
         super().__init__(
@@ -318,24 +325,36 @@ class LocalSandbox(BaseEnvironment):
         workdir = transfer.sandbox_path(cwd or self.workdir, self.workdir)
         script = f"cd -- {shlex.quote(workdir)} || exit 1\n{command}"
         res = await box.run(
-            ["/bin/bash", "-c", script], user=who, env=merged_env, timeout=timeout_sec
+            ["/bin/bash", "-c", script],
+            user=who,
+            env=merged_env,
+            timeout=timeout_sec,
+            output_limit=self._max_output,
         )
+        stderr = res.stderr.decode(errors="replace")
+        for stream, dropped in (("stdout", res.stdout_dropped), ("stderr", res.stderr_dropped)):
+            if dropped:
+                stderr += "\n" if stderr and not stderr.endswith("\n") else ""
+                stderr += (
+                    f"[local-sandbox: {stream} exceeded {self._max_output} bytes; "
+                    f"{dropped} further bytes were dropped]\n"
+                )
         return ExecResult(
-            stdout=res.stdout.decode(errors="replace"),
-            stderr=res.stderr.decode(errors="replace"),
-            return_code=res.return_code,
+            stdout=res.stdout.decode(errors="replace"), stderr=stderr, return_code=res.return_code
         )
 
     # -- files --------------------------------------------------------------------------------
 
-    async def _untar_into(self, target_dir: str, data: bytes) -> None:
+    async def _untar_into(self, target_dir: str, pack: Callable[[BinaryIO], None]) -> None:
         box = self._require()
         root = await box.resolve_user(0)
-        res = await box.run(
-            ["/bin/sh", "-c", 'mkdir -p -- "$0" && exec tar -x -p -C "$0" -f -', target_dir],
-            user=root,
-            stdin=data,
-        )
+        with tempfile.TemporaryFile() as archive:
+            await anyio.to_thread.run_sync(pack, archive)
+            res = await box.run(
+                ["/bin/sh", "-c", 'mkdir -p -- "$0" && exec tar -x -p -C "$0" -f -', target_dir],
+                user=root,
+                stdin=archive,
+            )
         if res.return_code != 0:
             raise OSError(f"upload into {target_dir} failed: {res.stderr.decode().strip()}")
         box.forget_users()  # an upload may have replaced /etc/passwd
@@ -348,21 +367,24 @@ class LocalSandbox(BaseEnvironment):
         """
         target = transfer.sandbox_path(target_path, self.workdir)
         parent, name = target.rsplit("/", 1)
-        data = await anyio.to_thread.run_sync(transfer.pack, Path(source_path), name)
-        await self._untar_into(parent or "/", data)
+        source = Path(source_path)
+        await self._untar_into(parent or "/", lambda out: transfer.pack(source, name, out))
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         """Merge a host directory's contents into `target_dir` (created if missing)."""
         target = transfer.sandbox_path(target_dir, self.workdir)
-        data = await anyio.to_thread.run_sync(transfer.pack_dir_contents, Path(source_dir))
-        await self._untar_into(target, data)
+        source = Path(source_dir)
+        await self._untar_into(target, lambda out: transfer.pack_dir_contents(source, out))
 
-    async def _tar_out(self, argv: list[str], what: str) -> bytes:
+    async def _tar_out(
+        self, argv: list[str], what: str, extract: Callable[[BinaryIO], None]
+    ) -> None:
         box = self._require()
-        res = await box.run(argv, user=await box.resolve_user(0))
-        if res.return_code != 0:
-            raise FileNotFoundError(f"cannot download {what}: {res.stderr.decode().strip()}")
-        return res.stdout
+        with tempfile.TemporaryFile() as archive:
+            res = await box.run(argv, user=await box.resolve_user(0), stdout=archive)
+            if res.return_code != 0:
+                raise FileNotFoundError(f"cannot download {what}: {res.stderr.decode().strip()}")
+            await anyio.to_thread.run_sync(extract, archive)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy one sandbox file (symlinks followed inside the sandbox) to a host path.
@@ -372,12 +394,13 @@ class LocalSandbox(BaseEnvironment):
         """
         source = transfer.sandbox_path(source_path, self.workdir)
         parent, name = source.rsplit("/", 1)
-        data = await self._tar_out(
-            ["tar", "-c", "-h", "-C", parent or "/", "-f", "-", name], source
-        )
         target = Path(target_path)
-        await anyio.to_thread.run_sync(
-            lambda: transfer.safe_extract(data, target.parent, rename_single=target.name)
+        await self._tar_out(
+            ["tar", "-c", "-h", "-C", parent or "/", "-f", "-", name],
+            source,
+            lambda archive: transfer.safe_extract(
+                archive, target.parent, rename_single=target.name
+            ),
         )
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
@@ -388,5 +411,9 @@ class LocalSandbox(BaseEnvironment):
             outside `target_dir` (for example through a symlink the sandbox planted).
         """
         source = transfer.sandbox_path(source_dir, self.workdir)
-        data = await self._tar_out(["tar", "-c", "-C", source, "-f", "-", "."], source)
-        await anyio.to_thread.run_sync(transfer.safe_extract, data, Path(target_dir))
+        target = Path(target_dir)
+        await self._tar_out(
+            ["tar", "-c", "-C", source, "-f", "-", "."],
+            source,
+            lambda archive: transfer.safe_extract(archive, target),
+        )

@@ -17,9 +17,10 @@ import shlex
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, SupportsIndex
 
 import anyio
 
@@ -36,6 +37,9 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Output still arriving after the command exited is collected this long; a daemon that keeps
 # the pipe open must not hold the caller forever.
 DRAIN_GRACE_SEC = 0.2
+# Output kept per stream of one command; a command printing gigabytes must not take the
+# owner's memory (and with it every other sandbox) down.
+OUTPUT_LIMIT = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class RunResult:
     return_code: int
     stdout: bytes
     stderr: bytes
+    # Bytes dropped past the output limit: the command ran to its end, its output did not fit.
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
 
 
 @dataclass
@@ -214,11 +221,16 @@ class BwrapSandbox:
         *,
         user: User,
         env: dict[str, str] | None = None,
-        stdin: bytes | None = None,
+        stdin: bytes | BinaryIO | None = None,
+        stdout: BinaryIO | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - mirrors Harbor's exec(timeout_sec)
+        output_limit: int = OUTPUT_LIMIT,
     ) -> RunResult:
         """Run argv inside the sandbox and collect its exit code and output.
 
+        `stdin` and `stdout` may be real files (with a descriptor): the command then reads or
+        writes them directly, and nothing passes through memory. Collected output keeps at
+        most `output_limit` bytes per stream; the rest is drained and counted as dropped.
         A non-zero exit is an ordinary result. On timeout or cancellation the command's whole
         process tree (including anything it daemonized) is killed.
 
@@ -232,10 +244,18 @@ class BwrapSandbox:
         group = f"x{next(self._exec_ids)}"
         self.cgroup.new_exec_group(group)
         full_env = {"PATH": DEFAULT_PATH, **self.spec.env, "HOME": user.home, **(env or {})}
-        out_r, out_w = os.pipe()
+        # The spawner gets copies of the child's ends, so ours are always closed after spawn.
+        if stdout is not None:
+            out_r, out_w = None, os.dup(stdout.fileno())
+        else:
+            out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        if stdin is not None:
+        feed: bytes | None = None
+        if isinstance(stdin, bytes):
             in_r, in_w = os.pipe()
+            feed = stdin
+        elif stdin is not None:
+            in_r, in_w = os.dup(stdin.fileno()), None
         else:
             in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
         ours = _Fds(out_r, err_r, in_w)
@@ -262,7 +282,7 @@ class BwrapSandbox:
                     os.close(fd)
             try:
                 with anyio.fail_after(timeout):
-                    return await _collect(proc, ours, stdin)
+                    return await _collect(proc, ours, feed, output_limit)
             except TimeoutError:
                 raise ExecTimeoutError(
                     f"command timed out after {timeout} seconds and was killed: {shlex.join(argv)}"
@@ -405,7 +425,7 @@ def _alive(pid: int) -> bool:
 class _Fds:
     """Our ends of an exec's pipes; each is closed exactly once."""
 
-    def __init__(self, out_r: int, err_r: int, in_w: int | None) -> None:
+    def __init__(self, out_r: int | None, err_r: int, in_w: int | None) -> None:
         self.out_r, self.err_r, self.in_w = out_r, err_r, in_w
         self._open = {fd for fd in (out_r, err_r, in_w) if fd is not None}
 
@@ -419,14 +439,32 @@ class _Fds:
             self.close(fd)
 
 
-async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None) -> RunResult:
-    out = bytearray()
-    err = bytearray()
+class _Sink(bytearray):
+    """Collected output: the first `limit` bytes are kept, the rest only counted."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.dropped = 0
+
+    def extend(self, chunk: Iterable[SupportsIndex], /) -> None:
+        data = bytes(chunk)
+        room = max(0, self.limit - len(self))
+        super().extend(data[:room])
+        self.dropped += max(0, len(data) - room)
+
+
+async def _collect(
+    proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None, limit: int
+) -> RunResult:
+    out = _Sink(limit)
+    err = _Sink(limit)
     streams_done = [anyio.Event(), anyio.Event()]
 
-    async def pump(fd: int, sink: bytearray, done: anyio.Event) -> None:
+    async def pump(fd: int | None, sink: _Sink, done: anyio.Event) -> None:
         try:
-            await launcher.read_fd(fd, sink=sink)
+            if fd is not None:
+                await launcher.read_fd(fd, sink=sink)
         finally:
             done.set()
 
@@ -450,7 +488,13 @@ async def _collect(proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None
         tg.cancel_scope.cancel()
     # Killed by a signal (e.g. by the OOM killer): report it the way
     # shells and docker do, 128 + signal number.
-    return RunResult(code if code >= 0 else 128 - code, bytes(out), bytes(err))
+    return RunResult(
+        code if code >= 0 else 128 - code,
+        bytes(out),
+        bytes(err),
+        stdout_dropped=out.dropped,
+        stderr_dropped=err.dropped,
+    )
 
 
 MOUNT_POINT = ".mnt"

@@ -4,17 +4,18 @@ Uploads are packed on the host and unpacked by `tar` running inside the sandbox 
 root, so every path (and every symlink an agent may have planted) resolves inside the
 sandbox's own mount tree, and in-sandbox root is an unprivileged host uid anyway. Downloads
 are packed inside and unpacked on the host by `safe_extract`, which keeps modes and symlinks
-but refuses any member that would land outside the target directory.
+but refuses any member that would land outside the target directory. Archives pass through
+temporary files, never whole through memory: a large transfer costs disk, not RAM.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import posixpath
 import stat
 import tarfile
 from pathlib import Path
+from typing import BinaryIO
 
 from backends.sandbox.errors import SandboxPathError
 
@@ -46,33 +47,31 @@ def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
-def pack(source: Path, arcname: str) -> bytes:
-    """Tar a host file or directory tree (symlinks kept as links, modes kept)."""
+def pack(source: Path, arcname: str, out: BinaryIO) -> None:
+    """Tar a host file or directory tree into `out` (symlinks kept as links, modes kept)."""
     if not source.exists() and not source.is_symlink():
         raise FileNotFoundError(f"upload source {source} does not exist")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=out, mode="w") as tar:
         tar.add(str(source), arcname=arcname, filter=_root_owned)
-    return buf.getvalue()
+    out.seek(0)
 
 
-def pack_dir_contents(source: Path) -> bytes:
-    """Tar the contents of a host directory, to be merged into a target directory."""
+def pack_dir_contents(source: Path, out: BinaryIO) -> None:
+    """Tar the contents of a host directory into `out`, to be merged into a target directory."""
     if not source.is_dir():
         raise NotADirectoryError(f"upload source {source} is not a directory")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=out, mode="w") as tar:
         for child in sorted(source.iterdir()):
             tar.add(str(child), arcname=child.name, filter=_root_owned)
-    return buf.getvalue()
+    out.seek(0)
 
 
 def _inside(root: str, path: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def safe_extract(data: bytes, dest: Path, *, rename_single: str | None = None) -> None:
-    """Unpack a tar stream produced inside a sandbox into host directory `dest`.
+def safe_extract(archive: BinaryIO, dest: Path, *, rename_single: str | None = None) -> None:
+    """Unpack a tar file produced inside a sandbox (read from its start) into host dir `dest`.
 
     Regular files, directories and symlinks (targets kept verbatim) are extracted with their
     permission bits, minus setuid/setgid; devices and FIFOs are skipped. With `rename_single`,
@@ -105,7 +104,8 @@ def safe_extract(data: bytes, dest: Path, *, rename_single: str | None = None) -
         mode = member.mode & ~(stat.S_ISUID | stat.S_ISGID) if member.mode is not None else None
         return member.replace(mode=mode, uid=uid, gid=gid, uname="", gname="", deep=False)
 
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+    archive.seek(0)
+    with tarfile.open(fileobj=archive, mode="r:") as tar:
         for member in tar:
             # One member at a time, so the realpath check sees symlinks extracted before it.
             tar.extract(member, root, filter=check)

@@ -251,3 +251,21 @@ def _cmdline(pid: int) -> str:
 
 def _host_processes(cmdline: str) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)) == cmdline]
+
+
+async def test_oversized_output_is_capped_and_said(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, kwargs={"max_output_bytes": 4096})
+    await env.start(force_build=False)
+    try:
+        # A megabyte on stdout: the command still runs to its end (it is drained, not
+        # blocked), the caller gets the first 4 KiB and a note of what was dropped.
+        res = await env.exec("head -c 1000000 /dev/zero | tr '\\0' a; echo done >&2; exit 4")
+        assert res.return_code == 4
+        assert res.stdout == "a" * 4096
+        assert res.stderr is not None
+        assert res.stderr.startswith("done\n")
+        assert "stdout exceeded 4096 bytes; 995904 further bytes were dropped" in res.stderr
+        small = await env.exec("echo fine")
+        assert (small.stdout, small.stderr) == ("fine\n", "")
+    finally:
+        await env.stop(delete=True)
