@@ -52,11 +52,11 @@ class Layout:
         return controller in self.v2_controllers or controller in self.v1
 
 
-def detect() -> Layout:
-    """Read /proc/self/mounts and report the cgroup layout of this host."""
+def detect(mounts: Path = Path("/proc/self/mounts")) -> Layout:
+    """Read the mount table and report the cgroup layout of this host."""
     v2_root: Path | None = None
     v1: dict[str, Path] = {}
-    for line in Path("/proc/self/mounts").read_text().splitlines():
+    for line in mounts.read_text().splitlines():
         parts = line.split()
         if len(parts) < 4:
             continue
@@ -148,9 +148,13 @@ class SandboxCgroup:
                     f"the task sets a {controller} limit but this host has no {controller} "
                     "cgroup controller (neither v1 nor v2); refusing to run it unlimited"
                 )
-        if lay.v2_root is not None and lay.v2_controllers:
-            _enable_v2_controllers(lay.v2_root, {"cpu", "memory", "pids"} & lay.v2_controllers)
         try:
+            if lay.v2_root is not None and lay.v2_controllers:
+                # The parent group must exist, with the controllers delegated to it, before
+                # the sandbox's group is made: only then does the kernel give the new group
+                # its limit files (memory.max, cpu.max, pids.max).
+                (lay.v2_root / GROUP).mkdir(exist_ok=True)
+                _enable_v2_controllers(lay.v2_root, {"cpu", "memory", "pids"} & lay.v2_controllers)
             for d in self._dirs:
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
