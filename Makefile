@@ -14,9 +14,10 @@ setup: $(STAMP)
 	$(PY) -m backends.sandbox.rootfs
 
 $(STAMP): pyproject.toml
-	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null || \
+	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null \
+	  && command -v mkfs.ext4 >/dev/null || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	      bubblewrap debootstrap socat; }
+	      bubblewrap debootstrap socat e2fsprogs; }
 	@test -x $(PY) || python3.12 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade uv
 	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'

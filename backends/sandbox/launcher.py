@@ -73,6 +73,7 @@ class BootSpec:
     # A scratch upper layer (deleted at stop) needs no durability: a volatile overlay skips
     # syncing the whole upper filesystem at unmount, about 1 ms off every stop here.
     volatile: bool = False
+    disk: Path | None = None  # ext4 image holding upper and work, mounted on their parent
 
 
 @functools.cache
@@ -118,6 +119,7 @@ def _boot_request(spec: BootSpec) -> dict[str, object]:
     return {
         "options": f"{options},volatile" if spec.volatile else options,
         "merged": str(spec.merged),
+        "disk": [str(spec.disk), str(spec.upper.parent)] if spec.disk else None,
         "stages": [[str(b.source), str(staged(spec, i))] for i, b in enumerate(spec.binds)],
     }
 

@@ -101,9 +101,12 @@ class LocalSandbox(BaseEnvironment):
     - `max_output_bytes`: output an `exec` keeps per stream (default 64 MiB); the rest is
       drained, dropped, and reported at the end of its stderr.
 
+    - `enforce_storage`: True (default) enforces the task's `storage_mb` (the sandbox writes
+      into a sparse ext4 image that size; past it, ENOSPC); False runs without a disk limit,
+      for hosts without loop devices.
+
     Not supported, and refused at construction with an error naming it: GPUs and TPUs,
-    network allowlists, docker-compose environments, Windows. `storage_mb` cannot be enforced
-    (the overlay lives on the host filesystem) and is reported in a warning.
+    network allowlists, docker-compose environments, Windows.
 
     `stop(delete=False)` still removes the sandbox: its state lives in a scratch overlay that
     nothing could reattach to.
@@ -127,19 +130,21 @@ class LocalSandbox(BaseEnvironment):
         pids_limit: int | str = DEFAULT_PIDS_LIMIT,
         build_network: str = "public",
         max_output_bytes: int | str = OUTPUT_LIMIT,
+        enforce_storage: bool | str = True,
         **kwargs: Any,
     ) -> None:
         self._extra_binds = _parse_binds(extra_binds)
         self._relay_socket = Path(relay_socket) if relay_socket else None
         self._relay_port = int(relay_port)
         if isinstance(host_python, str) and host_python.lower() in ("true", "false", "1", "0"):
-            host_python = host_python.lower() in ("true", "1")
+            host_python = _flag(host_python, "host_python")
         self._host_python = host_python
         if network not in (None, "public", "none", "no-network"):
             raise ValueError(f"network must be 'public' or 'none', not {network!r}")
         self._network_override = network
         self._pids_limit = int(pids_limit)
         self._build_network = build_network != "none"
+        self._enforce_storage = _flag(enforce_storage, "enforce_storage")
         self._max_output = int(max_output_bytes)
         if self._max_output < 0:
             raise ValueError(f"max_output_bytes must be >= 0, not {max_output_bytes!r}")
@@ -160,11 +165,11 @@ class LocalSandbox(BaseEnvironment):
                 "network_mode='allowlist' is not supported by local-sandbox environment: it "
                 "can give no network or the host's network, nothing in between"
             )
-        if self.task_env_config.storage_mb:
+        if self._effective_storage_mb and not self._enforce_storage:
             log.warning(
-                "%s: storage_mb=%s is not enforced by local sandboxes",
+                "%s: storage_mb=%s is not enforced (enforce_storage=False)",
                 session_id,
-                self.task_env_config.storage_mb,
+                self._effective_storage_mb,
             )
 
     @staticmethod
@@ -249,6 +254,7 @@ class LocalSandbox(BaseEnvironment):
                     pids=self._pids_limit,
                 ),
                 precreate_dirs=dirs,
+                storage_mb=self._effective_storage_mb if self._enforce_storage else None,
             ),
             name=name,
         )
@@ -417,3 +423,14 @@ class LocalSandbox(BaseEnvironment):
             source,
             lambda archive: transfer.safe_extract(archive, target),
         )
+
+
+def _flag(value: bool | str, name: str) -> bool:
+    """A boolean kwarg, which Harbor's command line passes as a string."""
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, not {value!r}")

@@ -24,7 +24,7 @@ from typing import BinaryIO, SupportsIndex
 
 import anyio
 
-from backends.sandbox import cgroups, launcher
+from backends.sandbox import cgroups, disk, launcher
 from backends.sandbox.errors import (
     ExecTimeoutError,
     SandboxNotRunningError,
@@ -73,6 +73,8 @@ class SandboxSpec:
     # Directories created (mode 0777) in the upper layer before boot, e.g. Harbor's /logs/*.
     precreate_dirs: Sequence[str] = ()
     upper: Path | None = None  # keep the writable layer here (layer builds); else scratch
+    # Cap on what the sandbox may write (its scratch layer lives in an image this size).
+    storage_mb: int | None = None
 
 
 class BwrapSandbox:
@@ -105,7 +107,14 @@ class BwrapSandbox:
 
     @property
     def upper(self) -> Path:
-        return self.spec.upper or self.dir / "upper"
+        """The writable layer (with a disk limit: a path inside the sandbox's mount namespace)."""
+        return self.spec.upper or self._scratch() / "upper"
+
+    def _scratch(self) -> Path:
+        return self.dir / disk.MOUNT_POINT if self._disk_limited() else self.dir
+
+    def _disk_limited(self) -> bool:
+        return self.spec.upper is None and self.spec.storage_mb is not None
 
     async def start(self) -> None:
         """Boot the sandbox.
@@ -115,6 +124,9 @@ class BwrapSandbox:
             SandboxStartError: the namespaces, overlay or bwrap failed (message says why).
         """
         launcher.require_host()
+        if self._disk_limited():
+            assert self.spec.storage_mb is not None
+            disk.require_support(self.spec.storage_mb)
         try:
             taken = _pool.take(self._pool_key()) if self.spec.upper is None else None
             if taken is not None:
@@ -137,7 +149,8 @@ class BwrapSandbox:
         return launcher.BootSpec(
             lowerdirs=self.spec.lowerdirs,
             upper=self.upper,
-            work=self.dir / "work",
+            work=self._scratch() / "work",
+            disk=self.dir / disk.IMAGE if self._disk_limited() else None,
             # Every sandbox mounts its overlay here, each in its own private mount namespace.
             merged=_shared_mount_point(),
             cgroup_procs=self.cgroup.procs_files(),
@@ -148,7 +161,8 @@ class BwrapSandbox:
         )
 
     def _pool_key(self) -> _PoolKey:
-        return (self.spec.limits, tuple(self.spec.precreate_dirs))
+        storage = self.spec.storage_mb if self._disk_limited() else None
+        return (self.spec.limits, tuple(self.spec.precreate_dirs), storage)
 
     async def stop(self) -> None:
         """Kill every process of the sandbox (daemons included) and remove all its state.
@@ -297,26 +311,34 @@ class BwrapSandbox:
             self.cgroup.drop_exec_group(group)
 
 
-_PoolKey = tuple[cgroups.Limits, tuple[str, ...]]
+_PoolKey = tuple[cgroups.Limits, tuple[str, ...], int | None]  # limits, precreated, storage_mb
 
 
 def _prepare_dir(
     directory: Path, cgroup: cgroups.SandboxCgroup, upper: Path, key: _PoolKey
 ) -> None:
-    """Run dir (owner record first), overlay dirs, precreated dirs, cgroups with limits."""
+    """Run dir (owner record first), overlay dirs, precreated dirs, disk, cgroups with limits."""
     directory.mkdir(parents=True)
     # Atomically: a concurrent reap_orphans (another process) must never read a
     # half-written record and take this live sandbox for an orphan.
     (directory / "owner.new").write_text(_owner_record(os.getpid()))
     (directory / "owner.new").rename(directory / "owner")
-    work = directory / "work"
-    work.mkdir()
+    limits, precreate, storage_mb = key
+    # With a disk limit the layer's directories are laid out here, then copied into the image.
+    base = directory / "disk.tpl" if storage_mb is not None else directory
+    if storage_mb is not None:
+        upper = base / "upper"
+    work = base / "work"
+    work.mkdir(parents=True)
     upper.mkdir(parents=True, exist_ok=True)
     for d in (upper, work):
         os.chown(d, UID_BASE, UID_BASE)
-    limits, precreate = key
     for path in precreate:
         _precreate(upper, path)
+    if storage_mb is not None:
+        disk.format_image(directory / disk.IMAGE, storage_mb, contents=base)
+        shutil.rmtree(base)
+        (directory / disk.MOUNT_POINT).mkdir()
     cgroup.create(limits)
 
 

@@ -14,7 +14,8 @@ every bwrap it started has `--die-with-parent` and dies with it.
 Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
-  files], "boot": null | {"options", "merged", "stages": [[source, point], ...]}, "uid_map",
+  files], "boot": null | {"options", "merged", "stages": [[source, point], ...], "disk": null |
+  [image, point]}, "uid_map",
   "enter": null | {"pid", "uid", "gid", "groups"}}` with the fds to install at those numbers
   (every other fd is closed). `enter` runs the command inside a live sandbox: the child is
   forked straight into the sandbox's pid namespace and joins its user, mount, network, ipc
@@ -30,12 +31,14 @@ Nothing here may import the project: it runs with `-I -S`, standard library only
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import json
 import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -49,6 +52,9 @@ MS_BIND = 4096
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MAX_FDS = 16
+LOOP_CTL_GET_FREE = 0x4C82
+LOOP_CONFIGURE = 0x4C0A
+LO_FLAGS_AUTOCLEAR = 4
 HIGH_FD = 100  # scratch fd numbers while installing the requested ones
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -86,6 +92,8 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
             # the binds, so sources the sandbox uid could not traverse (e.g. /root) work.
             _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")
             _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+            if boot.get("disk"):
+                _mount_disk(*boot["disk"])
             _check(
                 _libc.mount(
                     b"overlay", boot["merged"].encode(), b"overlay", MS_NODEV,
@@ -125,6 +133,40 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
             os.write(err_w, b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
         finally:
             os._exit(127)
+
+
+def _mount_disk(image: str, point: str) -> None:
+    """Mount the sandbox's ext4 disk image at `point` through a self-detaching loop device."""
+    backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    # struct loop_config: fd, block_size, struct loop_info64 (lo_flags = autoclear), reserved.
+    info = struct.pack("=5Q4I", 0, 0, 0, 0, 0, 0, 0, 0, LO_FLAGS_AUTOCLEAR) + bytes(176)
+    config = struct.pack("=II", backing, 0) + info + bytes(64)
+    try:
+        for _ in range(100):  # other processes race us for free devices
+            dev = f"/dev/loop{fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)}"
+            try:
+                loop = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:  # the device node is still being created
+                continue
+            try:
+                fcntl.ioctl(loop, LOOP_CONFIGURE, config)
+            except OSError as e:
+                os.close(loop)
+                if e.errno == errno.EBUSY:
+                    continue
+                raise
+            try:  # once mounted, the mount holds the device; closing ours arms autoclear
+                opts = b"noinit_itable"  # a fresh sparse image: no zeroing behind our back
+                _check(_libc.mount(dev.encode(), point.encode(), b"ext4", MS_NODEV, opts),
+                       f"mount disk image {image}")  # fmt: skip
+            finally:
+                os.close(loop)
+            return
+        raise OSError(errno.EBUSY, "no free loop device for the sandbox disk")
+    finally:
+        os.close(ctl)
+        os.close(backing)
 
 
 def _exec_on_path(argv: list[str], env: dict[str, str]) -> OSError:

@@ -214,7 +214,7 @@ from pathlib import Path
 from backends.sandbox.contract import PROVIDERS
 p = [p for p in PROVIDERS if p.name == {provider.name!r}][0]
 async def main():
-    env = p.make(Path({str(tmp_path)!r}))
+    env = p.make(Path({str(tmp_path)!r}), storage_mb=64)  # with a disk image to detach too
     await env.start(force_build=False)
     await env.exec("setsid nohup sleep 4343 >/dev/null 2>&1 &")
     print(env._box.name, flush=True)
@@ -235,11 +235,48 @@ anyio.run(main)
     while _host_processes("sleep 4343") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _host_processes("sleep 4343"), "a daemon outlived its sandbox's owner"
+    assert not _disk_attached(name), "the sandbox's disk image is still attached"
     from backends.sandbox.runtime import reap_orphans
     from backends.sandbox.settings import run_dir
 
     assert name in reap_orphans()
     assert not (run_dir() / name).exists()
+
+
+def _disk_attached(name: str, within: float = 5.0) -> bool:
+    """Is a loop device still backed by this sandbox's disk image (detach is asynchronous)?"""
+    deadline = time.monotonic() + within
+    while True:
+        backing = [p.read_text() for p in Path("/sys/block").glob("loop*/loop/backing_file")]
+        if not any(f"/{name}/" in b for b in backing) or time.monotonic() > deadline:
+            return any(f"/{name}/" in b for b in backing)
+        time.sleep(0.02)
+
+
+async def test_storage_limit_contains_disk_writes(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, storage_mb=64)
+    # Opted out (for hosts without loop devices): the same task writes without a limit.
+    free = provider.make(tmp_path, storage_mb=64, kwargs={"enforce_storage": "false"})
+    await env.start(force_build=False)
+    await free.start(force_build=False)
+    try:
+        # Everything the sandbox writes (/, /tmp, /logs) counts; past the limit: ENOSPC,
+        # in that sandbox only, and it keeps working once space is freed.
+        res = await env.exec("dd if=/dev/zero of=/logs/agent/fill bs=1M count=100")
+        assert res.return_code != 0 and "No space left on device" in res.stderr
+        res = await env.exec("head -c 1048576 /dev/zero > /tmp/more")
+        assert res.return_code != 0 and "No space left on device" in res.stderr
+        assert (await free.exec("dd if=/dev/zero of=/tmp/big bs=1M count=100")).return_code == 0
+        await env.exec("rm /logs/agent/fill")
+        ok = await env.exec("dd if=/dev/zero of=/ok bs=1M count=20 && echo x > /logs/agent/note")
+        assert ok.return_code == 0, ok.stderr
+        assert (await env.exec("cat /logs/agent/note")).stdout == "x\n"
+        size = int((await env.exec("df -k --output=size / | tail -1")).stdout)
+        assert 48 * 1024 < size <= 64 * 1024  # the sandbox sees its own disk's size
+    finally:
+        await env.stop(delete=True)
+        await free.stop(delete=True)
+    assert not _disk_attached(env._box.name if env._box else "")  # type: ignore[attr-defined]
 
 
 def _cmdline(pid: int) -> str:
