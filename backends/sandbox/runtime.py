@@ -135,9 +135,12 @@ class BwrapSandbox:
                 self.name, self._dir, self._cgroup = taken, None, None
                 spec = self._boot_spec()
             else:
-                # A few mkdirs and cgroup writes: cheaper inline than a hop to a worker thread.
                 spec = self._boot_spec()
-                _prepare_dir(self.dir, self.cgroup, self.upper, self._pool_key())
+                prepare = (self.dir, self.cgroup, self.upper, self._pool_key())
+                if self._disk_limited():  # mkfs: not on the event loop
+                    await anyio.to_thread.run_sync(_prepare_dir, *prepare)
+                else:  # a few mkdirs and cgroup writes: cheaper inline than a thread hop
+                    _prepare_dir(*prepare)
             launcher.prepare_stage(spec)
             self._booted = await launcher.boot(spec)
         except BaseException:
