@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import anyio
+
 from backends.relay import Relay, RolloutTrace
 from backends.rollout.backend import CancelDisposition, ExecutionBackend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
@@ -57,7 +59,10 @@ class RelayedBackend:
         try:
             result = await self.backend.execute(routed)
         finally:
-            trace = self.relay.end(rid)
+            # Shielded: a cancelled rollout must still revoke its token. `aend` builds the
+            # trace (parsing every call) on a worker thread, off the event loop.
+            with anyio.CancelScope(shield=True):
+                trace = await self.relay.aend(rid)
         return attach_trace(result, trace)
 
     def status(self, rollout_id: str) -> RolloutStatus | None:
@@ -85,16 +90,40 @@ class RelayedBackend:
 
 
 def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
-    """Put the trace on the result; blame the policy when it, not the agent, failed."""
+    """Put the trace on the result; blame the policy when it, not the agent, failed.
+
+    Two cases: the agent failed after a policy failure (relabelled ``policy_error``), and the
+    agent swallowed a policy failure and finished anyway, its last policy call unanswered.
+    The second is a failure too: its reward would score a trajectory the policy never
+    completed (a dead endpoint would otherwise train as reward 0). The sample is kept for
+    diagnosis, without a reward.
+    """
     extra = {**result.extra_fields, TRACE_FIELD: trace.model_dump(mode="json")}
     failure = result.failure
-    if failure is not None and failure.category is ErrorCategory.AGENT_ERROR:
-        policy = trace.policy_failure()
-        if policy is not None:
-            failure = failure.model_copy(
-                update={
-                    "category": ErrorCategory.POLICY_ERROR,
-                    "message": f"{policy.message} (the agent then failed: {failure.message})",
-                }
-            )
+    policy = trace.policy_failure()
+    if policy is not None and failure is not None and failure.category is ErrorCategory.AGENT_ERROR:
+        failure = failure.model_copy(
+            update={
+                "category": ErrorCategory.POLICY_ERROR,
+                "message": f"{policy.message} (the agent then failed: {failure.message})",
+            }
+        )
+    elif (
+        policy is not None
+        and result.status is RolloutStatus.SUCCESS
+        and trace.calls[-1].index == policy.call_index
+    ):
+        unanswered = RolloutFailure(
+            category=ErrorCategory.POLICY_ERROR,
+            phase=Phase.AGENT,
+            message=f"{policy.message} (the rollout finished without a policy answer to its "
+            "last call, so its reward is withheld)",
+        )
+        return RolloutResult.failed(
+            result.rollout_id,
+            unanswered,
+            sample=result.sample,
+            timings=result.timings,
+            extra_fields=extra,
+        )
     return result.model_copy(update={"extra_fields": extra, "failure": failure})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -92,3 +93,49 @@ async def test_no_upstream_anywhere_is_a_clear_error(tmp_path: Path) -> None:
     assert result.failure is not None
     assert result.failure.category is ErrorCategory.VALIDATION_ERROR
     assert "upstream" in result.failure.message
+
+
+class SwallowsPolicyErrors(AskPolicy):
+    """Asks once per user turn; a failed call becomes a canned reply, as sloppy agents do."""
+
+    async def run(self, ctx: Any) -> Any:
+        messages = list(ctx.prompt)
+        for question in ctx.metadata["questions"]:
+            messages.append({"role": "user", "content": question})
+            try:
+                messages = await super().run(dataclasses.replace(ctx, prompt=messages))
+            except RuntimeError:
+                messages.append({"role": "assistant", "content": "I could not reach the model"})
+        return messages
+
+
+@pytest.mark.parametrize(
+    ("questions", "withheld"),
+    [
+        (["6 * 7?", "fail"], True),  # the last call failed: nothing the policy said ends it
+        (["fail", "6 * 7?"], False),  # the policy failed once, then answered: a real result
+    ],
+)
+async def test_a_swallowed_policy_failure_withholds_the_reward(
+    upstream: str, tmp_path: Path, questions: list[str], withheld: bool
+) -> None:
+    backend = LocalBackend(workflow=SwallowsPolicyErrors, grader=Exact, artifacts_root=tmp_path)
+    req = request("r4", "start", upstream).model_copy(update={"metadata": {"questions": questions}})
+    async with Relay() as relay:
+        result = await RelayedBackend(backend, relay).execute(req)
+    trace = result.extra_fields[TRACE_FIELD]
+    assert trace["calls"], result.failure
+    assert [c["upstream_status"] for c in trace["calls"]] == [
+        502 if q == "fail" else 200 for q in questions
+    ]
+    if withheld:
+        # The grader would have scored the canned reply 0: a dead endpoint must not train
+        # as reward 0. The sample stays for diagnosis, without a reward.
+        assert result.status is RolloutStatus.FAILURE and result.reward is None
+        assert result.failure is not None
+        assert result.failure.category is ErrorCategory.POLICY_ERROR
+        assert "502" in result.failure.message and "withheld" in result.failure.message
+        assert result.sample is not None and result.sample.reward is None
+        assert result.sample.messages[-1]["content"] == "I could not reach the model"
+    else:
+        assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0
