@@ -35,9 +35,21 @@ Errors, by what the caller gets:
       ``policy_error``); an upstream's own status passes through unchanged. A stream that
       breaks after it started ends with an SSE ``error`` event.
 
-Retries: a request that never reached the upstream (no connection, a stale pooled connection)
-is retried by the relay; nothing else is. An SDK retry of the same request (same body,
-``x-stainless-retry-count`` > 0) is folded into the earlier call's record (``attempts``).
+Retries: a request the upstream cannot have processed (no connection; a pooled connection that
+closed within a few ms, or two handshake times, of the request being written: the upstream had
+closed it while idle) is retried by the relay; nothing else is, so a call an upstream dropped
+after working on it is a 502, not a second generation. An SDK retry (same body,
+``x-stainless-retry-count`` = n > 0) is folded into the record (``attempts``) of an earlier
+finished attempt of that request which failed as SDKs retry (5xx, 408/409/429, a transport
+error or timeout) and has n attempts; otherwise it is a call of its own.
+
+Agents hanging up: whenever the agent disconnects before its answer is complete, the relay
+closes the upstream connection (vLLM and SGLang then abort the generation) and records the call
+as ``client_disconnected``.
+
+Upstream credentials: ``upstream_api_key`` is sent as ``Authorization: Bearer``. Credentials in
+the URL (``http://user:password@host/v1``) are sent as HTTP Basic auth instead, unless a key is
+given (the key wins). They never appear in error messages or traces.
 
 Standalone: ``backends relay --upstream URL`` (``backends.relay.cli.relay_command``) serves the
 same app with an admin API (``RelayCore`` + ``admin_token``: ``POST /admin/rollouts``,

@@ -39,6 +39,11 @@ _DROP_RESPONSE = frozenset(
 # Client headers worth passing upstream; everything else (the sandbox's credentials above all)
 # stays here.
 _FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"user-agent"})
+# Statuses below 500 that OpenAI-style SDKs retry (5xx are retried too).
+_RETRIED_STATUSES = frozenset({408, 409, 429})
+_CLIENT_GONE = "the client disconnected before the answer ended; the upstream call was abandoned"
+# A call still running after this long starts watching for the client to hang up.
+_WATCH_AFTER_S = 0.02
 
 
 class RelayApp:
@@ -103,7 +108,7 @@ class RelayApp:
 
         token = b""
         length = -1
-        retry = False
+        retry = 0
         forward = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -113,7 +118,7 @@ class RelayApp:
             elif name == b"content-length":
                 length = int(value) if value.isdigit() else -1
             elif name == b"x-stainless-retry-count":
-                retry = value != b"0"
+                retry = int(value) if value.isdigit() and len(value) < 4 else 0
             elif name in _FORWARD_REQUEST:
                 forward += name + b": " + value + b"\r\n"
 
@@ -207,6 +212,31 @@ class RelayApp:
         body: bytes,
     ) -> None:
         generation = call.generation
+        # Watch for the agent hanging up during the whole call: cancelling closes the upstream
+        # connection, which is how vLLM and SGLang learn to abort the generation and free the
+        # GPU, whether it is still thinking, streaming, or building a non-streamed answer.
+        with anyio.CancelScope() as gone:
+            watch = _DisconnectWatch(receive, gone)
+            try:
+                await self._exchange(state, send, call, generation, method, target, headers, body)
+            finally:
+                watch.stop()
+        if gone.cancelled_caught and not call.done:
+            # A stream's client got its status line; any other got nothing.
+            status = call.upstream_status if call.stream else None
+            _finish(call, generation, status, CallError.CLIENT_DISCONNECTED, _CLIENT_GONE)
+
+    async def _exchange(
+        self,
+        state: RolloutState,
+        send: Send,
+        call: RawCall,
+        generation: int,
+        method: bytes,
+        target: Target,
+        headers: bytes,
+        body: bytes,
+    ) -> None:
         upstream = state.upstream
         settings = self.settings
         headers += upstream.auth_line()
@@ -263,9 +293,7 @@ class RelayApp:
                     code="upstream_auth_rejected",
                 )
             if stream:
-                await self._pass_stream(
-                    response, send, receive, call, generation, out_headers, upstream
-                )
+                await self._pass_stream(response, send, call, generation, out_headers, upstream)
                 return
             # One deadline for the whole call, headers and body.
             payload = await response.read(max(0.0, settings.response_timeout_s - ttfb))
@@ -291,7 +319,6 @@ class RelayApp:
         self,
         response: Response,
         send: Send,
-        receive: Receive,
         call: RawCall,
         generation: int,
         headers: list[tuple[bytes, bytes]],
@@ -312,34 +339,13 @@ class RelayApp:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
         failed: UpstreamError | None = None
-        # The first chunk goes out before anything else is set up: it is the latency that
-        # agents wait on.
         try:
             async for chunk in body:
-                if call.generation == generation:
+                if call.ttfb_s is None and call.generation == generation:
                     call.ttfb_s = time.perf_counter() - call.t0
                 await forward(chunk)
-                break
         except UpstreamError as exc:
             failed = exc
-        # If the agent hangs up mid-stream, stop reading: closing the upstream connection is
-        # how vLLM and SGLang learn to abort the generation and free the GPU. Watching costs a
-        # task, paid only while the upstream is still generating.
-        gone = anyio.CancelScope()
-        if failed is None and response.complete:
-            async for chunk in body:
-                await forward(chunk)
-        elif failed is None:
-            with gone:
-                async with anyio.create_task_group() as watchers:
-                    watchers.start_soon(_cancel_on_disconnect, receive, gone)
-                    try:
-                        async for chunk in body:
-                            await forward(chunk)
-                    except UpstreamError as exc:  # caught here, or the task group wraps it
-                        failed = exc
-                    finally:
-                        watchers.cancel_scope.cancel()
         if failed is not None:
             # Headers are gone already: tell the client in-band, as an SSE error event that
             # OpenAI clients raise as an API error, and close the stream.
@@ -348,11 +354,6 @@ class RelayApp:
             event = b"data: " + error_body(text, f"upstream_{kind.value}") + b"\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": False})
             _finish(call, generation, status, kind, text)
-            return
-        if gone.cancelled_caught:
-            response.release()  # not read to the end: the connection is closed, not reused
-            text = "the client disconnected mid-stream; the upstream call was abandoned"
-            _finish(call, generation, status, CallError.CLIENT_DISCONNECTED, text)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         _finish(call, generation, status, None, None)
@@ -371,14 +372,42 @@ class RelayApp:
         return headers, version
 
 
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+class _DisconnectWatch:
+    """Cancels ``scope`` when the client disconnects, until ``stop``.
+
+    The watching task starts only once the call has run ``_WATCH_AFTER_S``: a task (let alone a
+    task group) per call measurably slows quick answers, and a client that hung up earlier is
+    still seen, as ``receive`` reports a past disconnect at once.
+    """
+
+    __slots__ = ("_receive", "_scope", "_task", "_timer")
+
+    def __init__(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        self._receive = receive
+        self._scope = scope
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._scope.cancel()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 def _finish(
-    call: RawCall, generation: int, status: int, error: CallError | None, message: str | None
+    call: RawCall,
+    generation: int,
+    status: int | None,
+    error: CallError | None,
+    message: str | None,
 ) -> None:
     if call.generation == generation:
         call.status = status
@@ -393,14 +422,24 @@ def _record(
     path: str,
     body: bytes,
     stream: bool,
-    retry: bool,
+    retry: int,
 ) -> RawCall:
     calls = state.calls
     if retry:
-        # An SDK retry resends the same bytes: fold it into the earlier attempt's record so the
-        # trace holds one call, the outcome the client finally got.
+        # An SDK retry resends the same bytes after a failed attempt: fold it into that
+        # attempt's record so the trace holds one call, the outcome the client finally got.
+        # Only a finished attempt that failed the way SDKs retry, and has had as many attempts
+        # as this retry's count, qualifies: an identical concurrent call keeps its own record
+        # (and the completion the agent used). Folding clears ``done``, so one failed attempt
+        # takes at most one retry.
         for previous in reversed(calls):
-            if previous.request_body == body and previous.path == path:
+            if (
+                previous.done
+                and previous.attempts == retry
+                and _retried(previous)
+                and previous.path == path
+                and previous.request_body == body
+            ):
                 previous.generation += 1
                 previous.attempts += 1
                 previous.t0 = time.perf_counter()
@@ -423,6 +462,14 @@ def _record(
     )
     calls.append(call)
     return call
+
+
+def _retried(call: RawCall) -> bool:
+    """The call failed in a way that OpenAI-style SDKs retry."""
+    status = call.status
+    return call.error is not None or (
+        status is not None and (status >= 500 or status in _RETRIED_STATUSES)
+    )
 
 
 async def _fail(

@@ -20,6 +20,11 @@ import httptools
 
 # Stop reading from the upstream while this much streamed body waits for the client.
 _HIGH_WATER = 1 << 20
+# A reused connection that closes this soon after the request was written (or within two
+# handshake times, for a distant upstream) was closed by the upstream while idle: the close
+# crossed our request, which was never processed. A later close may follow real work (an
+# upstream that crashed mid-generation), so that request is not sent again.
+_STALE_WINDOW_S = 0.005
 # A non-streamed response body larger than this is refused rather than buffered.
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
@@ -35,8 +40,8 @@ class UpstreamConnectError(UpstreamError):
 class UpstreamDisconnectedError(UpstreamError):
     """The connection closed before any response byte arrived.
 
-    ``stale`` means it was a reused keep-alive connection that the upstream had closed while it
-    sat idle: the usual cause, and then the upstream never saw the request.
+    ``stale`` means it was a reused keep-alive connection that closed right after the request
+    was written: the upstream had closed it while it sat idle, and never processed the request.
     """
 
     def __init__(self, message: str, *, stale: bool) -> None:
@@ -76,6 +81,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
+        self.handshake_s = 0.0  # time to connect: about a round trip (more with TLS)
+        self.sent_at = 0.0
         self.origin_key: tuple[str, str, int] = ("", "", 0)
         self._reset()
 
@@ -91,6 +98,7 @@ class _Connection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
+        self.high_water = _HIGH_WATER
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -111,9 +119,11 @@ class _Connection(asyncio.Protocol):
             self._wake()
             return
         if not self.got_bytes:
+            window = max(_STALE_WINDOW_S, 2 * self.handshake_s)
+            stale = self.reused and time.monotonic() - self.sent_at < window
             self._fail(
                 UpstreamDisconnectedError(
-                    "the upstream closed the connection before answering", stale=self.reused
+                    "the upstream closed the connection before answering", stale=stale
                 )
             )
         elif self.headers_done and self._close_delimited():
@@ -147,7 +157,7 @@ class _Connection(asyncio.Protocol):
             return
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+        if self.buffered > self.high_water and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
@@ -185,10 +195,19 @@ class _Connection(asyncio.Protocol):
     def take_body(self) -> list[bytes]:
         body, self.body = self.body, []
         self.buffered = 0
+        self._resume()
+        return body
+
+    def buffer_whole_body(self) -> None:
+        """Read on until the body ends: nobody drains the buffer before then."""
+        self.high_water = MAX_RESPONSE_BYTES
+        if self.buffered <= self.high_water:
+            self._resume()
+
+    def _resume(self) -> None:
         if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
-        return body
 
     async def wait(self) -> None:
         """Wait for more: headers, body bytes, completion or an error. Raises the error."""
@@ -221,6 +240,8 @@ class Response:
     async def read(self, limit_s: float | None) -> bytes:
         """The whole body. Raises ``UpstreamTimeoutError`` or ``UpstreamProtocolError``."""
         conn = self._conn
+        # The body may have paused reading at the streaming high-water mark already.
+        conn.buffer_whole_body()
         try:
             async with asyncio.timeout(limit_s):
                 while not conn.complete:
@@ -272,8 +293,10 @@ class Response:
             self._conn.abort()
 
     def _drop(self) -> None:
-        self._released = True
-        self._conn.abort()
+        # A stream abandoned mid-way is finalized late: by then release() may have pooled it.
+        if not self._released:
+            self._released = True
+            self._conn.abort()
 
 
 class ConnectionPool:
@@ -320,6 +343,7 @@ class ConnectionPool:
         conn.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             conn.transport.write(body)  # avoid copying a large body just to join it
+        conn.sent_at = time.monotonic()
         try:
             async with asyncio.timeout(limit_s):
                 while not conn.headers_done:
@@ -360,6 +384,7 @@ class ConnectionPool:
                 if self._ca_file:
                     self._ssl.load_verify_locations(self._ca_file)
             context = self._ssl
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
@@ -382,6 +407,7 @@ class ConnectionPool:
             ) from exc
         # Remember where it goes, so a released connection lands in the right idle list.
         conn.origin_key = target.key
+        conn.handshake_s = time.monotonic() - started
         return conn
 
     def close(self) -> None:

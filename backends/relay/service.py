@@ -52,7 +52,7 @@ class RelayCore:
         elif self._default is not None:
             upstream = self._default
             if upstream_api_key is not None:
-                upstream = Upstream.parse(upstream.base_url, upstream_api_key)
+                upstream = upstream.with_api_key(upstream_api_key)
         else:
             raise ValueError(
                 f"rollout {rollout_id!r} has no upstream: the relay was started without "

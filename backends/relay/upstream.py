@@ -5,10 +5,12 @@ The forwarding client is ``backends.relay.http1`` (see there for the measurement
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from backends.relay.http1 import Target
 
@@ -31,7 +33,8 @@ class RelaySettings:
     response_timeout_s: float = 600.0
     stream_idle_timeout_s: float = 300.0
     # Attempts for a request that never reached the upstream (connection refused, a pooled
-    # connection the upstream had closed). A call the upstream may have seen is not repeated.
+    # connection the upstream had closed, seen closing right after the request was written). A
+    # call the upstream may have worked on is not repeated.
     connect_attempts: int = 3
     # Response header an upstream may use to say which policy version answered.
     policy_version_header: str = "x-policy-version"
@@ -46,12 +49,18 @@ class RelaySettings:
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """One OpenAI-compatible upstream: its base URL and the key the relay presents to it."""
+    """One OpenAI-compatible upstream: its base URL and the key the relay presents to it.
 
-    base_url: str
+    Credentials in the URL (``http://user:password@host/v1``) are sent as HTTP Basic auth,
+    unless an API key is given: then the key is sent (as a Bearer token) and they are unused.
+    ``base_url`` never holds them, so it is safe in error messages and traces.
+    """
+
+    base_url: str  # without any user:password
     api_key: str | None = field(repr=False)
     chat: Target
     models: Target
+    basic_auth: str | None = field(default=None, repr=False)  # "user:password" from the URL
 
     @classmethod
     def parse(cls, url: str, api_key: str | None) -> Upstream:
@@ -62,12 +71,16 @@ class Upstream:
         text = url.strip().rstrip("/")
         parts = urlsplit(text)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"upstream URL {url!r} is not an absolute http(s) URL")
-        if api_key and (not api_key.isprintable() or " " in api_key):
-            # It goes into a header line verbatim: no way to smuggle a second header.
-            raise ValueError("the upstream API key holds spaces or control characters")
+            # Not echoed: an unparsable URL may still carry a password.
+            raise ValueError("the upstream URL is not an absolute http(s) URL")
+        _check_key(api_key)
         if parts.query or parts.fragment:
-            raise ValueError(f"upstream URL {url!r} must not carry a query or fragment")
+            raise ValueError("the upstream URL must not carry a query or fragment")
+        basic_auth = None
+        if "@" in parts.netloc:
+            if parts.username or parts.password:
+                basic_auth = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+            text = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
         if text.endswith(CHAT_SUFFIX):
             text = text[: -len(CHAT_SUFFIX)]
         base_path = urlsplit(text).path
@@ -91,17 +104,43 @@ class Upstream:
             api_key=api_key or None,
             chat=target(CHAT_SUFFIX),
             models=target("/models"),
+            basic_auth=basic_auth,
         )
 
+    def with_api_key(self, api_key: str | None) -> Upstream:
+        """The same upstream with another key (or none: back to the URL's credentials)."""
+        _check_key(api_key)
+        return dataclasses.replace(self, api_key=api_key or None)
+
     def auth_line(self) -> bytes:
-        """The ``Authorization`` header line the relay adds, or nothing without a key."""
-        return b"Authorization: Bearer %s\r\n" % self.api_key.encode() if self.api_key else b""
+        """The ``Authorization`` header line the relay adds, or nothing without credentials."""
+        if self.api_key:
+            return b"Authorization: Bearer %s\r\n" % self.api_key.encode()
+        if self.basic_auth is not None:
+            return b"Authorization: Basic %s\r\n" % base64.b64encode(self.basic_auth.encode())
+        return b""
 
     def scrub(self, body: bytes) -> bytes:
-        """Remove the upstream key from bytes bound for a sandbox (error bodies may echo it)."""
-        if self.api_key and self.api_key.encode() in body:
-            return body.replace(self.api_key.encode(), b"***")
+        """Remove upstream secrets from bytes bound for a sandbox (error bodies may echo them)."""
+        for secret in self._secrets():
+            if secret in body:
+                body = body.replace(secret, b"***")
         return body
+
+    def _secrets(self) -> list[bytes]:
+        secrets = [self.api_key.encode()] if self.api_key else []
+        if self.basic_auth is not None:
+            secrets.append(base64.b64encode(self.basic_auth.encode()))
+            password = self.basic_auth.partition(":")[2].encode()
+            if len(password) >= 6:  # a shorter one would mask ordinary text
+                secrets.append(password)
+        return secrets
+
+
+def _check_key(api_key: str | None) -> None:
+    if api_key and (not api_key.isprintable() or " " in api_key):
+        # It goes into a header line verbatim: no way to smuggle a second header.
+        raise ValueError("the upstream API key holds spaces or control characters")
 
 
 def error_body(message: str, code: str, kind: str = "policy_error") -> bytes:
