@@ -120,7 +120,9 @@ def _boot_request(spec: BootSpec) -> dict[str, object]:
         "options": f"{options},volatile" if spec.volatile else options,
         "merged": str(spec.merged),
         "disk": [str(spec.disk), str(spec.upper.parent)] if spec.disk else None,
-        "stages": [[str(b.source), str(staged(spec, i))] for i, b in enumerate(spec.binds)],
+        "stages": [
+            [str(b.source), str(staged(spec, i)), b.read_only] for i, b in enumerate(spec.binds)
+        ],
     }
 
 
@@ -224,6 +226,7 @@ class Spawner:
         self.dead = False
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[SandboxProcess]]]
         self._pending = {}
         self._procs: dict[int, tuple[asyncio.AbstractEventLoop, SandboxProcess]] = {}
@@ -263,6 +266,14 @@ class Spawner:
             "enter": enter,
         }
         data = json.dumps(req).encode()
+        send_fds = list(fds)
+        spill: int | None = None
+        if len(data) > INLINE_REQUEST_BYTES:
+            # A socket message has a size limit a long command (up to execve's ~2 MB) would
+            # exceed: large requests travel in a memfd passed along with the other fds.
+            spill = os.memfd_create("sandbox-spawn-request", os.MFD_CLOEXEC)
+            os.write(spill, data)
+            data, send_fds = b'{"spilled": true}', [*send_fds, spill]
         with self._lock:
             if self.dead:
                 raise OSError("the sandbox spawner process is gone")
@@ -270,29 +281,38 @@ class Spawner:
                 self._loops.add(loop)
                 loop.add_reader(self.sock.fileno(), self._readable)
             self._pending[rid] = (loop, fut)
-        while True:
-            try:
-                socket.send_fds(self.sock, [data], list(fds))
-                break
-            except BlockingIOError:
-                await asyncio.sleep(0.001)
-            except OSError:
-                self._pending.pop(rid, None)
-                raise
+        try:
+            while True:
+                try:
+                    socket.send_fds(self.sock, [data], send_fds)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(0.001)
+                except OSError:
+                    self._pending.pop(rid, None)
+                    raise
+        finally:
+            if spill is not None:
+                os.close(spill)
         return await fut
 
     def _readable(self) -> None:
         while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
-            except BlockingIOError:
-                return
-            except OSError:
-                data, fds = b"", []
-            if not data:
-                self._died()
-                return
-            self._dispatch(json.loads(data), fds)
+            # Several event loops may read this socket (a layer build runs its own): receive
+            # and dispatch under one lock, so a process's reply is always handled before its
+            # exit message, whichever loop reads which.
+            with self._recv_lock:
+                try:
+                    data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    data, fds = b"", []
+                if data:
+                    self._dispatch(json.loads(data), fds)
+                    continue
+            self._died()
+            return
 
     def _dispatch(self, msg: dict[str, Any], fds: list[int]) -> None:
         if "id" in msg:
@@ -442,6 +462,7 @@ def _parses(data: bytes) -> bool:
 
 
 INFO_FD = 3
+INLINE_REQUEST_BYTES = 64 * 1024
 BOOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
 

@@ -26,7 +26,7 @@ from backends.sandbox import dockerfile as df
 from backends.sandbox import rootfs
 from backends.sandbox.errors import ImageBuildError, UnsupportedInstructionError
 from backends.sandbox.runtime import DEFAULT_PATH, BwrapSandbox, SandboxSpec
-from backends.sandbox.settings import cache_dir
+from backends.sandbox.settings import cache_dir, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,8 @@ async def _build_layer(
 ) -> None:
     staging = layer.with_name(layer.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    private_dir(layers_dir())
+    staging.mkdir()
     box = BwrapSandbox(
         SandboxSpec(
             lowerdirs=image.lowerdirs,

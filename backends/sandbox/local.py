@@ -334,7 +334,7 @@ class LocalSandbox(BaseEnvironment):
             ["/bin/bash", "-c", script],
             user=who,
             env=merged_env,
-            timeout=timeout_sec,
+            timeout=timeout_sec or None,  # 0 is no limit, as in Harbor's docker environment
             output_limit=self._max_output,
         )
         stderr = res.stderr.decode(errors="replace")
@@ -397,6 +397,7 @@ class LocalSandbox(BaseEnvironment):
 
         Raises:
             FileNotFoundError: no such file in the sandbox. SandboxPathError: bad path.
+            IsADirectoryError: the source is a directory. OSError: not a regular file.
         """
         source = transfer.sandbox_path(source_path, self.workdir)
         parent, name = source.rsplit("/", 1)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.sandbox.errors import BaseImageNotFoundError, HostPrerequisiteError
-from backends.sandbox.settings import UID_BASE, cache_dir, images_dir
+from backends.sandbox.settings import UID_BASE, cache_dir, images_dir, private_dir
 
 log = logging.getLogger(__name__)
 MARKER = ".backends-rootfs.json"
@@ -100,6 +100,7 @@ def ensure_rootfs(name: str) -> Path:
     """
     script, suite, digest = _recipe(name)
     dest = rootfs_path(name)
+    private_dir(dest.parent)
     if _is_current(dest, digest):
         return dest
     with file_lock(f"rootfs-{name}"):

@@ -29,7 +29,7 @@ from backends.sandbox.errors import (
     ExecTimeoutError,
     SandboxNotRunningError,
 )
-from backends.sandbox.settings import UID_BASE, run_dir
+from backends.sandbox.settings import UID_BASE, UID_COUNT, private_dir, run_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class BwrapSandbox:
     def __init__(self, spec: SandboxSpec, name: str | None = None) -> None:
         self.spec = spec
         self.name = name or f"sbx-{uuid.uuid4().hex[:12]}"
+        self.label = self.name  # for messages: a pooled entry's name replaces `name` at start
         self._dir: Path | None = None
         self._cgroup: cgroups.SandboxCgroup | None = None
         self._booted: launcher.Booted | None = None
@@ -111,7 +112,8 @@ class BwrapSandbox:
         return self.spec.upper or self._scratch() / "upper"
 
     def _scratch(self) -> Path:
-        return self.dir / disk.MOUNT_POINT if self._disk_limited() else self.dir
+        """Parent of the scratch upper and work dirs: host root only (they hold setuid files)."""
+        return self.dir / (disk.MOUNT_POINT if self._disk_limited() else PRIVATE)
 
     def _disk_limited(self) -> bool:
         return self.spec.upper is None and self.spec.storage_mb is not None
@@ -136,7 +138,7 @@ class BwrapSandbox:
                 spec = self._boot_spec()
             else:
                 spec = self._boot_spec()
-                prepare = (self.dir, self.cgroup, self.upper, self._pool_key())
+                prepare = (self.dir, self.cgroup, self._pool_key(), self.spec.upper)
                 if self._disk_limited():  # mkfs: not on the event loop
                     await anyio.to_thread.run_sync(_prepare_dir, *prepare)
                 else:  # a few mkdirs and cgroup writes: cheaper inline than a thread hop
@@ -226,6 +228,11 @@ class BwrapSandbox:
                 found = User(int(key), int(key), "/")  # like docker: numeric ids need no entry
             else:
                 raise ValueError(f"user {key!r} does not exist in the sandbox")
+            if max(found.uid, found.gid) >= UID_COUNT:
+                raise ValueError(
+                    f"user {key!r} (uid {found.uid}, gid {found.gid}) is outside the "
+                    f"{UID_COUNT} ids a sandbox maps"
+                )
         self._users[key] = found
         return found
 
@@ -257,7 +264,7 @@ class BwrapSandbox:
         """
         booted = self._booted
         if booted is None or booted.process.returncode is not None:
-            raise SandboxNotRunningError(f"sandbox {self.name} is not running")
+            raise SandboxNotRunningError(f"sandbox {self.label} is not running")
         group = f"x{next(self._exec_ids)}"
         self.cgroup.new_exec_group(group)
         full_env = {"PATH": DEFAULT_PATH, **self.spec.env, "HOME": user.home, **(env or {})}
@@ -292,14 +299,14 @@ class BwrapSandbox:
                 )
             except OSError as e:
                 if booted.process.returncode is not None or not _alive(booted.init_pid):
-                    raise SandboxNotRunningError(f"sandbox {self.name} is not running") from e
+                    raise SandboxNotRunningError(f"sandbox {self.label} is not running") from e
                 raise
             finally:
                 for fd in (in_r, out_w, err_w):
                     os.close(fd)
             try:
                 with anyio.fail_after(timeout):
-                    return await _collect(proc, ours, feed, output_limit)
+                    result = await _collect(proc, ours, feed, output_limit)
             except TimeoutError:
                 raise ExecTimeoutError(
                     f"command timed out after {timeout} seconds and was killed: {shlex.join(argv)}"
@@ -307,18 +314,25 @@ class BwrapSandbox:
             finally:
                 with anyio.CancelScope(shield=True):
                     if proc.returncode is None:
+                        proc.kill()  # enough on its own where no cgroup can kill a subtree
                         await anyio.to_thread.run_sync(self.cgroup.kill, group)
                         await proc.wait()
+            if self._booted is not booted:  # stop() killed it: not the command's own exit
+                raise SandboxNotRunningError(
+                    f"sandbox {self.label} was stopped while running: {shlex.join(argv)}"
+                )
+            return result
         finally:
             ours.close_all()
             self.cgroup.drop_exec_group(group)
 
 
+PRIVATE = "private"  # in a run dir: mode 0700, holding the scratch upper and work dirs
 _PoolKey = tuple[cgroups.Limits, tuple[str, ...], int | None]  # limits, precreated, storage_mb
 
 
 def _prepare_dir(
-    directory: Path, cgroup: cgroups.SandboxCgroup, upper: Path, key: _PoolKey
+    directory: Path, cgroup: cgroups.SandboxCgroup, key: _PoolKey, upper: Path | None = None
 ) -> None:
     """Run dir (owner record first), overlay dirs, precreated dirs, disk, cgroups with limits."""
     directory.mkdir(parents=True)
@@ -327,12 +341,14 @@ def _prepare_dir(
     (directory / "owner.new").write_text(_owner_record(os.getpid()))
     (directory / "owner.new").rename(directory / "owner")
     limits, precreate, storage_mb = key
-    # With a disk limit the layer's directories are laid out here, then copied into the image.
-    base = directory / "disk.tpl" if storage_mb is not None else directory
-    if storage_mb is not None:
+    # With a disk limit the layer's directories are laid out here, then copied into the image
+    # (mounted only inside the sandbox's mount namespace, out of host users' reach).
+    base = directory / ("disk.tpl" if storage_mb is not None else PRIVATE)
+    private_dir(base)
+    if upper is None or storage_mb is not None:
         upper = base / "upper"
     work = base / "work"
-    work.mkdir(parents=True)
+    work.mkdir()
     upper.mkdir(parents=True, exist_ok=True)
     for d in (upper, work):
         os.chown(d, UID_BASE, UID_BASE)
@@ -403,7 +419,7 @@ class _Pool:
                 name = f"sbx-{uuid.uuid4().hex[:12]}"
                 directory, cgroup = run_dir() / name, cgroups.SandboxCgroup(name)
                 try:
-                    _prepare_dir(directory, cgroup, directory / "upper", key)
+                    _prepare_dir(directory, cgroup, key)
                 except Exception as e:  # start() will prepare inline and report it
                     log.debug("could not prepare a pooled sandbox: %s", e)
                     _remove_entry(name)

@@ -38,3 +38,16 @@ def images_dir() -> Path:
 def run_dir() -> Path:
     """Per-sandbox scratch state (overlay upper dirs, owner records)."""
     return cache_dir() / "run"
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` if needed and make it reachable by host root only (mode 0700).
+
+    Layers hold files that are setuid to sandbox users (host uids from `UID_BASE`): a host
+    user able to reach them could run one and become a sandbox's root on the host, free to
+    rewrite the shared base layers. Overlays are mounted by host root, so 0700 costs nothing.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != 0o700:
+        path.chmod(0o700)
+    return path

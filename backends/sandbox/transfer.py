@@ -3,13 +3,15 @@
 Uploads are packed on the host and unpacked by `tar` running inside the sandbox as sandbox
 root, so every path (and every symlink an agent may have planted) resolves inside the
 sandbox's own mount tree, and in-sandbox root is an unprivileged host uid anyway. Downloads
-are packed inside and unpacked on the host by `safe_extract`, which keeps modes and symlinks
-but refuses any member that would land outside the target directory. Archives pass through
-temporary files, never whole through memory: a large transfer costs disk, not RAM.
+are packed inside and unpacked on the host by `safe_extract`, which keeps modes and the
+symlinks that stay inside the target, and refuses any member that would land outside it.
+Archives pass through temporary files, never whole through memory: a large transfer costs
+disk, not RAM.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import stat
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from backends.sandbox.errors import SandboxPathError
+
+log = logging.getLogger(__name__)
 
 
 def sandbox_path(path: str | os.PathLike[str], workdir: str = "/") -> str:
@@ -73,27 +77,38 @@ def _inside(root: str, path: str) -> bool:
 def safe_extract(archive: BinaryIO, dest: Path, *, rename_single: str | None = None) -> None:
     """Unpack a tar file produced inside a sandbox (read from its start) into host dir `dest`.
 
-    Regular files, directories and symlinks (targets kept verbatim) are extracted with their
-    permission bits, minus setuid/setgid; devices and FIFOs are skipped. With `rename_single`,
-    the archive's one regular file is written to `dest / rename_single`.
+    Regular files, directories and symlinks are extracted with their permission bits, minus
+    setuid/setgid; devices and FIFOs are skipped. A symlink is kept only if it resolves inside
+    `dest`: host tools (Harbor, running as root) read downloaded logs, and a planted link to
+    /root/.ssh/id_rsa must not become a file they read. Skipped links are logged by name.
+    `dest` keeps its own mode and owner. With `rename_single`, the archive's one member must
+    be a regular file, written to `dest / rename_single`.
 
     Raises:
         SandboxPathError: a member (or a hard link's target) would land outside `dest`,
             including through a symlink extracted earlier.
+        IsADirectoryError: `rename_single` was asked for and the member is a directory.
+        OSError: `rename_single` was asked for and the member is not a regular file.
     """
     dest.mkdir(parents=True, exist_ok=True)
     root = os.path.realpath(dest)
     uid, gid = os.geteuid(), os.getegid()
+    dropped: list[str] = []
 
     def check(member: tarfile.TarInfo, _path: str) -> tarfile.TarInfo | None:
-        if member.isdev() or member.isfifo():
-            return None
         if rename_single is not None:
+            if member.isdir():
+                raise IsADirectoryError(f"{member.name} is a directory: use download_dir")
             if not member.isfile():
-                return None
+                raise OSError(f"{member.name} is not a regular file")
             member = member.replace(name=rename_single, deep=False)
         name = member.name
-        if name.startswith("/") or not _inside(root, os.path.realpath(os.path.join(root, name))):
+        if name.rstrip("/") in ("", "."):  # the target directory itself: it stays as it is
+            return None
+        if member.isdev() or member.isfifo():
+            return None
+        here = os.path.join(root, name)
+        if name.startswith("/") or not _inside(root, os.path.realpath(here)):
             raise SandboxPathError(f"download member {name!r} would be written outside {dest}")
         if member.islnk() and not _inside(
             root, os.path.realpath(os.path.join(root, member.linkname))
@@ -101,6 +116,11 @@ def safe_extract(archive: BinaryIO, dest: Path, *, rename_single: str | None = N
             raise SandboxPathError(
                 f"download member {name!r} is a hard link to {member.linkname!r} outside {dest}"
             )
+        if member.issym():
+            target = os.path.join(os.path.dirname(here), member.linkname)
+            if member.linkname.startswith("/") or not _inside(root, os.path.realpath(target)):
+                dropped.append(f"{name} -> {member.linkname}")
+                return None
         mode = member.mode & ~(stat.S_ISUID | stat.S_ISGID) if member.mode is not None else None
         return member.replace(mode=mode, uid=uid, gid=gid, uname="", gname="", deep=False)
 
@@ -109,3 +129,12 @@ def safe_extract(archive: BinaryIO, dest: Path, *, rename_single: str | None = N
         for member in tar:
             # One member at a time, so the realpath check sees symlinks extracted before it.
             tar.extract(member, root, filter=check)
+            if rename_single is not None:
+                break
+    if dropped:
+        log.warning(
+            "download into %s skipped %d symlink(s) pointing outside it: %s",
+            dest,
+            len(dropped),
+            ", ".join(dropped[:20]),
+        )

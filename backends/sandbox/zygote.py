@@ -14,14 +14,15 @@ every bwrap it started has `--die-with-parent` and dies with it.
 Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
-  files], "boot": null | {"options", "merged", "stages": [[source, point], ...], "disk": null |
+  files], "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
   [image, point]}, "uid_map",
   "enter": null | {"pid", "uid", "gid", "groups"}}` with the fds to install at those numbers
   (every other fd is closed). `enter` runs the command inside a live sandbox: the child is
   forked straight into the sandbox's pid namespace and joins its user, mount, network, ipc
   and uts namespaces and its root and cwd (what `nsenter` would do, without its exec and
   fork); the command is then looked up on the sandbox's PATH and a failed exec is an
-  ordinary exit (127, or 126) with the reason on its stderr, as in a shell;
+  ordinary exit (127, or 126) with the reason on its stderr, as in a shell. A request too
+  large for one message arrives as `{"spilled": true}` with a memfd holding it as the last fd;
 - reply `{"id", "pid"}` with a pidfd once the child has exec'd, or `{"id", "error"}`;
 - later `{"exit": pid, "code": returncode}` (negative: killed by that signal).
 
@@ -47,11 +48,19 @@ CLONE_NEWPID = 0x20000000
 # Joined in this order: the user namespace first, so its capabilities cover the others.
 ENTER_NAMESPACES = (("user", CLONE_NEWUSER), ("ipc", 0x08000000), ("uts", 0x04000000),
                     ("net", 0x40000000), ("mnt", CLONE_NEWNS))  # fmt: skip
+MS_RDONLY = 1
 MS_NODEV = 4
+MS_REMOUNT = 32
 MS_BIND = 4096
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture (a newer syscall)
+AT_FDCWD = -100
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 1
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MAX_FDS = 16
+MAX_FD_NUMBER = 1 << 20
+PR_SET_DUMPABLE = 4
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
@@ -77,8 +86,19 @@ def _write_file(path: str, data: bytes) -> None:
 def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
     """In the forked child: join cgroups, set up namespaces, install fds, exec. Never returns."""
     try:
+        # Not dumpable until exec (which resets it; runc's fix for CVE-2016-9962): after
+        # joining a sandbox's user namespace and before dropping to its user, this process
+        # is host root with the host's root directory, and sandbox root could otherwise
+        # ptrace it or open its /proc/PID/root and /proc/PID/fd.
+        _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
         for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        # Keep only our own fds, before going near a sandbox: the spawner's socket and the
+        # other children's pipes and pidfds must never be within a sandbox's reach.
+        high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for f in fds]
+        err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
+        go_r = fcntl.fcntl(go_r, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
+        _close_all_but({*high, err_w, go_r})
         # First, before anything can fork: every descendant stays inside the limits.
         # ("0" is the writer itself, whichever pid namespace it was forked into.)
         for f in req["cgroups"]:
@@ -101,11 +121,13 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
                 ),
                 "mount overlay",
             )  # fmt: skip
-            for source, point in boot["stages"]:
+            for source, point, read_only in boot["stages"]:
                 _check(
                     _libc.mount(source.encode(), point.encode(), None, MS_BIND | MS_REC, None),
                     f"stage bind {source}",
                 )
+                if read_only:
+                    _make_read_only(point)
             _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
             os.write(err_w, b"U")  # the spawner, outside, writes our uid/gid map
             if os.read(go_r, 1) != b"G":
@@ -113,14 +135,9 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
             os.setresgid(0, 0, 0)
             os.setresuid(0, 0, 0)
             os.setgroups([])
-        # Install the requested fds: first out of the way, then at their numbers.
-        high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for f in fds]
-        err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
+        # Install the requested fds at their numbers; everything else is close-on-exec.
         for target, f in zip(req["fds"], high, strict=True):
             os.dup2(f, target, inheritable=True)
-        top = max(req["fds"], default=-1)
-        os.closerange(top + 1, err_w)
-        os.closerange(err_w + 1, 1 << 16)
         argv = req["argv"]
         if not enter:
             os.execve(argv[0], argv, req["env"])
@@ -133,6 +150,27 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
             os.write(err_w, b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
         finally:
             os._exit(127)
+
+
+def _make_read_only(point: str) -> None:
+    """Make a staged bind (and every mount under it) read-only, from outside the sandbox.
+
+    Set here, by host root, the flag is locked: root inside the sandbox's user namespace
+    cannot remount the bind writable (bwrap's own --ro-bind, made inside, could be undone).
+    """
+    attr = struct.pack("=4Q", MOUNT_ATTR_RDONLY, 0, 0, 0)  # struct mount_attr
+    ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, point.encode(), AT_RECURSIVE, attr, len(attr))
+    if ret != 0 and ctypes.get_errno() == errno.ENOSYS:  # before Linux 5.12: the top mount only
+        ret = _libc.mount(None, point.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+    _check(ret, f"make {point} read-only")
+
+
+def _close_all_but(keep: set[int]) -> None:
+    low = 0
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, MAX_FD_NUMBER)
 
 
 def _mount_disk(image: str, point: str) -> None:
@@ -259,6 +297,11 @@ class Spawner:
         if not data:
             os._exit(0)  # owner closed the socket or died
         req = json.loads(data)
+        if req.get("spilled"):  # too large for a message: it came in a memfd, the last fd
+            spill = fds.pop()
+            size = os.fstat(spill).st_size
+            req = json.loads(os.pread(spill, size, 0))
+            os.close(spill)
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
         try:

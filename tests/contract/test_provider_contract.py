@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from backends.sandbox.contract import Provider
-from backends.sandbox.errors import ExecTimeoutError, SandboxPathError
+from backends.sandbox.errors import ExecTimeoutError, SandboxNotRunningError, SandboxPathError
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.anyio]
 
@@ -73,17 +73,26 @@ async def test_files_round_trip(provider: Provider, tmp_path: Path) -> None:
         assert res.stdout == "750 root\nsub/data.txt\nhi\n"
         await env.upload_file(src / "sub" / "data.txt", "/work/one/copy.txt")
         assert (await env.exec("cat /work/one/copy.txt")).stdout == "data"
-        # A symlink planted inside points at a host path: downloads must keep it a link and
-        # never write through it.
-        await env.exec("ln -s /etc /work/in/evil && chmod 4755 /work/in/run.sh")
+        # Symlinks planted inside point at host paths: a host tool reading the download must
+        # never be led to a host file, so only links that stay inside the target are kept.
+        await env.exec(
+            "ln -s /root/.ssh/id_rsa /work/in/trajectory.json && ln -s ../../../etc /work/in/up"
+            " && chmod 4755 /work/in/run.sh && chmod 777 /work/in"
+        )
         out = tmp_path / "out"
+        out.mkdir(mode=0o700)
         await env.download_dir("/work/in", out)
         assert (out / "sub" / "data.txt").read_text() == "data"
         assert os.readlink(out / "link") == "sub/data.txt"
-        assert os.readlink(out / "evil") == "/etc"
+        assert not (out / "trajectory.json").is_symlink() and not (out / "up").is_symlink()
         assert (out / "run.sh").stat().st_mode & 0o7777 == 0o755  # setuid dropped
+        assert out.stat().st_mode & 0o777 == 0o700  # the host's target keeps its own mode
         await env.download_file("/work/in/link", tmp_path / "single.txt")
         assert (tmp_path / "single.txt").read_text() == "data"
+        with pytest.raises(IsADirectoryError):
+            await env.download_file("/work/in/sub", tmp_path / "a-dir")
+        with pytest.raises(OSError, match="not a regular file"):
+            await env.download_file("/dev/null", tmp_path / "a-device")
         with pytest.raises(SandboxPathError, match="escapes"):
             await env.upload_file(src / "run.sh", "../../etc/x")
         with pytest.raises(SandboxPathError, match="escapes"):
@@ -167,12 +176,22 @@ async def test_network_none_by_default_public_on_request(
 
 
 async def test_host_secrets_unreadable(provider: Provider, tmp_path: Path) -> None:
-    env = provider.make(tmp_path, kwargs={"extra_binds": "/etc:/host-etc:ro"})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "data").write_text("host data\n")
+    binds = f"/etc:/host-etc:ro,{shared}:/shared:ro"
+    env = provider.make(tmp_path, kwargs={"extra_binds": binds})
     await env.start(force_build=False)
     try:
         res = await env.exec("cat /host-etc/shadow; echo rc=$?; touch /host-etc/x; id -u")
         assert "Permission denied" in res.stderr and "rc=1" in res.stdout
         assert res.stdout.strip().endswith("0")  # root inside, yet not host root
+        # Root inside cannot lift a read-only bind by remounting it writable.
+        res = await env.exec(
+            "mount -o remount,bind,rw /shared; echo changed > /shared/data; cat /shared/data"
+        )
+        assert res.stdout == "host data\n" and "Read-only file system" in res.stderr
+        assert (shared / "data").read_text() == "host data\n"
     finally:
         await env.stop(delete=True)
 
@@ -304,5 +323,33 @@ async def test_oversized_output_is_capped_and_said(provider: Provider, tmp_path:
         assert "stdout exceeded 4096 bytes; 995904 further bytes were dropped" in res.stderr
         small = await env.exec("echo fine")
         assert (small.stdout, small.stderr) == ("fine\n", "")
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_exec_edge_cases(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        assert (await env.exec("echo ok", timeout_sec=0)).stdout == "ok\n"  # 0: no limit
+        res = await env.exec("id -u", user=70000)  # beyond the ids a sandbox maps
+        assert res.return_code == 126 and "outside" in (res.stderr or "")
+        # A long command (120 KB of two-byte characters) runs like a short one.
+        res = await env.exec("printf %s " + "é" * 60000 + " | wc -c")
+        assert res.stdout.strip() == "120000"
+        # A command cut short by stop() is not a result (137 would read as an OOM kill).
+        async with anyio.create_task_group() as tg:
+            outcome: list[BaseException] = []
+
+            async def run_long() -> None:
+                try:
+                    await env.exec("sleep 30")
+                except SandboxNotRunningError as e:
+                    outcome.append(e)
+
+            tg.start_soon(run_long)
+            await anyio.sleep(0.5)
+            await env.stop(delete=True)
+        assert outcome and "stopped" in str(outcome[0])
     finally:
         await env.stop(delete=True)

@@ -1,0 +1,126 @@
+"""Attacks on the local sandbox's own machinery, from inside a sandbox and from the host."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from backends.sandbox.contract import PROVIDERS
+from backends.sandbox.layers import layers_dir
+from backends.sandbox.rootfs import rootfs_path
+
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.anyio,
+    pytest.mark.skipif(os.geteuid() != 0, reason="local sandboxes need root"),
+]
+LOCAL = PROVIDERS[0]
+
+# Watches for new processes in the sandbox and tries to see the host through their
+# /proc/PID/root: an exec helper that joined the sandbox's user namespace while still host
+# root with the host's root directory would show it.
+WATCHER = r"""
+import os, sys
+marker, seen = sys.argv[1], set()
+while True:
+    for p in os.listdir("/proc"):
+        if p.isdigit() and p not in seen:
+            seen.add(p)
+            try:
+                if os.path.exists(f"/proc/{p}/root{marker}"):
+                    open("/hit", "w").write(p)
+                    sys.exit(0)
+            except OSError:
+                pass
+    seen.clear()
+"""
+
+
+@pytest.fixture
+def host_marker() -> Iterator[Path]:
+    """A host file where any uid may look (pytest's tmp_path is under a 0700 directory,
+    which would hide it from sandbox root even through a leaked host root directory)."""
+    marker = Path(f"/var/tmp/backends-host-marker-{uuid.uuid4().hex}")
+    marker.write_text("host\n")
+    yield marker
+    marker.unlink()
+
+
+async def test_exec_helpers_never_expose_the_host_root(tmp_path: Path, host_marker: Path) -> None:
+    marker = host_marker
+    (tmp_path / "watch.py").write_text(WATCHER)
+    env = LOCAL.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        await env.upload_file(tmp_path / "watch.py", "/watch.py")
+        await env.exec(f"nohup python3 /watch.py {marker} >/dev/null 2>&1 &")
+        await anyio.sleep(0.5)  # let the watcher start
+        for _ in range(100):  # unprotected, the first few execs were enough
+            await env.exec("true")
+        assert (await env.exec("test -e /hit")).return_code == 1, "saw the host's root"
+    finally:
+        await env.stop(delete=True)
+
+
+def _as_nobody(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, user=65534, group=65534, extra_groups=[], capture_output=True, text=True
+    )
+
+
+async def test_host_users_cannot_reach_setuid_files_of_sandboxes(tmp_path: Path) -> None:
+    env = LOCAL.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        # Setuid to sandbox root, that is host uid 100000, the owner of the shared layers.
+        await env.exec("cp /bin/bash /tmp/rootsh && chmod 4755 /tmp/rootsh")
+        box = env._box  # type: ignore[attr-defined]
+        planted = box.upper / "tmp" / "rootsh"
+        assert planted.stat().st_mode & 0o4000
+        shipped = rootfs_path("debian-bookworm") / "usr" / "bin" / "passwd"
+        assert shipped.stat().st_mode & 0o4000
+        for path in (planted, shipped):
+            with pytest.raises(PermissionError):
+                _as_nobody([str(path), "--version"])
+        for d in (layers_dir(), shipped.parents[3], planted.parents[2]):
+            assert d.stat().st_mode & 0o777 == 0o700, d
+    finally:
+        await env.stop(delete=True)
+
+
+def test_two_event_loops_share_the_spawner(tmp_path: Path) -> None:
+    """A layer build runs its own event loop: exits must reach the right loop, never lost."""
+
+    async def many_execs(results: list[int]) -> None:
+        env = LOCAL.make(tmp_path)
+        await env.start(force_build=False)
+        try:
+            with anyio.fail_after(60):
+                for _ in range(300):
+                    results.append((await env.exec("true")).return_code)
+        finally:
+            await env.stop(delete=True)
+
+    other: list[int] = []
+    errors: list[BaseException] = []
+
+    def in_thread() -> None:
+        try:
+            anyio.run(many_execs, other)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    ours: list[int] = []
+    anyio.run(many_execs, ours)
+    thread.join(90)
+    assert not errors and not thread.is_alive()
+    assert ours == other == [0] * 300
