@@ -182,6 +182,20 @@ async def test_long_poll_returns_live_status_when_the_wait_ends(tmp_path: Path) 
     assert final["status"] == "success"
 
 
+async def test_wait_that_is_not_a_finite_duration_is_422(tmp_path: Path) -> None:
+    async with serve_in_process(server(tmp_path)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+            lease = await submit(http, "waits", metadata={"sleep": 30})
+            for wait in ["nan", "inf", "-1", "soon"]:
+                response = await http.get(
+                    "/rollout/waits/result", headers={LEASE_HEADER: lease}, params={"wait": wait}
+                )
+                assert response.status_code == 422, (wait, response.text)
+                assert response.json()["detail"][0]["loc"] == ["query", "wait"]
+            assert (await result(http, "waits", lease, wait=0))["status"] == "running"
+            await http.post("/rollout/cancel", json={"all": True})
+
+
 async def test_cancel_by_ids_prefix_and_all(tmp_path: Path) -> None:
     async with serve_in_process(server(tmp_path)) as url, httpx.AsyncClient(base_url=url) as http:
         leases = {rid: await submit(http, rid, metadata={"sleep": 30}) for rid in

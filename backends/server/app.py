@@ -2,9 +2,10 @@
 
 Endpoints (the reference protocol, section 4):
 
-- ``GET /health``: backend health, ``instance_id``, ``process_id``, ``lifecycle``.
+- ``GET /health``: backend health, ``instance_id``, ``process_id``, ``lifecycle``; ``status``
+  is ``ok``, ``draining``, or ``unhealthy`` (with ``error``) once the state file fails.
 - ``POST /rollout``: 202 with a polling lease; 409 duplicate id; 429 (``Retry-After``) when the
-  backend is full; 503 while draining; 422 naming the bad field.
+  backend is full; 503 while draining or unhealthy; 422 naming the bad field.
 - ``GET /rollout/{id}/result``: long poll with the lease header; 404 unknown id; 403 wrong lease.
 - ``POST /rollout/cancel``: ``{ids}``, ``{prefix}`` or ``{all: true}``.
 
@@ -24,7 +25,9 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
+import re
 import secrets
 import time
 import uuid
@@ -72,6 +75,8 @@ ENV_STATE_FILE = "BACKENDS_SERVER_STATE"
 ENV_PREVIEW_ROOT = "BACKENDS_PREVIEW_ROOT"
 ENV_INSTANCE_ID = "BACKENDS_INSTANCE_ID"
 RETRY_AFTER_SEC = 5
+RECORD_ATTEMPTS = 3  # a final result that will not commit is retried this often, then failed
+RECORD_RETRY_SEC = 0.2
 
 
 def default_state_file() -> Path:
@@ -164,6 +169,7 @@ class RolloutServer:
         self.instance_id = os.environ.get(ENV_INSTANCE_ID) or self.process_id
 
         self._store = Store(self.state_file, synchronous=synchronous)
+        self._state_error: str | None = None  # set once a final result could not be committed
         self._rollouts: dict[str, _Rollout] = {}
         self._active: dict[str, _Rollout] = {}
         self._keys: dict[str, str] = {}  # in memory only, while the rollout runs
@@ -288,6 +294,8 @@ class RolloutServer:
                 "the server is draining and admits no new rollouts",
                 {"retry-after": str(RETRY_AFTER_SEC)},
             )
+        if failure := self._state_failure():
+            raise _unhealthy(failure)
         raw = await self._read_body(scope, receive)
         try:
             init = RolloutInitRequest.model_validate_json(raw)
@@ -315,6 +323,8 @@ class RolloutServer:
             # Not durable, so not accepted: stop the work we started and free the id.
             log.exception("could not record rollout %s", rid)
             self._abandon(entry)
+            if failure := self._state_failure():
+                raise _unhealthy(failure) from None
             raise ProtocolError(500, "could not record the rollout in the state file") from None
         body = b'{"rollout_id": ' + _dumps(rid) + b', "polling_lease_token": "'
         await _respond(send, 202, body + token.encode() + b'"' + self._init_response_tail)
@@ -403,24 +413,38 @@ class RolloutServer:
     async def _publish(
         self, entry: _Rollout, request: RolloutRequest, result: RolloutResult
     ) -> None:
+        rid = entry.rollout_id
         key = request.api_key
         body = result_body(result)
         if self.relay is not None and (trace := result.extra_fields.get(POLICY_TRACE_FIELD)):
             body["policy_trace"] = trace  # token ids and logprobs, for the trainer
-        text = json.dumps(body, ensure_ascii=False, default=str)
-        if key and len(key) >= MIN_SECRET_LENGTH and key in text:
-            text = text.replace(key, REDACTED)  # the key is never stored, nor echoed back
+        text, data = _result_json(body, key)
         finished_at = time.time()
-        try:
-            await self._store.finish(entry.rollout_id, result.status.value, finished_at, text)
-        except Exception:
-            log.exception("could not record the result of rollout %s", entry.rollout_id)
-        entry.body = text.encode()
+        error = await self._record(rid, result.status.value, finished_at, text)
+        if error is not None:
+            # Never serve a result that is not committed: after a restart it would read as
+            # an interrupted failure, and the trainer may already have trained on it. Serve a
+            # failure instead (small, so it may still fit) and stop admitting rollouts.
+            self._state_error = f"could not record a rollout's result in the state file: {error}"
+            log.error("rollout server unhealthy: %s", self._state_error)
+            result = RolloutResult.failed(
+                rid,
+                RolloutFailure(
+                    category=ErrorCategory.INTERNAL_ERROR,
+                    phase=Phase.AGENT,
+                    message=f"the server could not record this rollout's result in its state "
+                    f"file ({error}), so it withholds it; the rollout can be resubmitted",
+                ),
+            )
+            text, data = _result_json(result_body(result), key)
+            # Served even if this fails too: a restart reads the rollout as failed as well.
+            await self._record(rid, result.status.value, finished_at, text, attempts=1)
+        entry.body = data
         entry.status = result.status
         entry.finished_at = finished_at
-        self._active.pop(entry.rollout_id, None)
-        self._keys.pop(entry.rollout_id, None)
-        self._finished.append((finished_at, entry.rollout_id))
+        self._active.pop(rid, None)
+        self._keys.pop(rid, None)
+        self._finished.append((finished_at, rid))
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -429,6 +453,31 @@ class RolloutServer:
             # Saved in the background once the result is durable and served: a file never
             # delays a result, and a burst waits for the writer instead of being dropped.
             await self._trajectories.submit(result, secrets=[key])
+
+    async def _record(
+        self,
+        rid: str,
+        status: str,
+        finished_at: float,
+        text: str,
+        attempts: int = RECORD_ATTEMPTS,
+    ) -> str | None:
+        """Commit a final result, retrying a few times; ``None`` once committed, else why not."""
+        error = "not attempted"
+        for attempt in range(1, attempts + 1):
+            try:
+                await self._store.finish(rid, status, finished_at, text)
+                return None
+            except Exception as exc:
+                error = describe(exc)
+                log.error(
+                    "could not record the result of rollout %s (attempt %d of %d): %s",
+                    rid, attempt, attempts, error,
+                )  # fmt: skip
+            if attempt == attempts or self._store.failure is not None:
+                break  # a stopped writer does not come back
+            await anyio.sleep(RECORD_RETRY_SEC * attempt)
+        return error
 
     # -- GET /rollout/{id}/result ----------------------------------------------------------
 
@@ -441,10 +490,10 @@ class RolloutServer:
             _sha256(lease.decode("latin-1")), entry.lease_sha256
         ):
             raise ProtocolError(403, "missing or wrong polling lease for this rollout")
+        wait = self.result_wait_timeout_sec
+        if scope["query_string"]:
+            wait = _wait_param(scope["query_string"], wait)
         if entry.body is None:
-            wait = self.result_wait_timeout_sec
-            if scope["query_string"]:
-                wait = _wait_param(scope["query_string"], wait)
             entry.lease_deadline = time.monotonic() + self.polling_lease_timeout_sec
             await _wait_for_result(entry, wait)
             entry.lease_deadline = time.monotonic() + self.polling_lease_timeout_sec
@@ -528,16 +577,24 @@ class RolloutServer:
             backend = dict(self.backend.health())
         except Exception as exc:
             backend = {"backend_error": describe(exc)}
-        return {
-            "status": "ok" if self._accepting else "draining",
+        failure = self._state_failure()
+        out = {
+            "status": "unhealthy" if failure else "ok" if self._accepting else "draining",
             **backend,
             "instance_id": self.instance_id,
             "process_id": self.process_id,
             "lifecycle": {
-                "accepting_rollouts": self._accepting,
+                "accepting_rollouts": self._accepting and not failure,
                 "active_rollouts": len(self._active),
             },
         }
+        if failure:
+            out["error"] = failure
+        return out
+
+    def _state_failure(self) -> str | None:
+        """Why the state file can no longer be trusted with results, if it cannot."""
+        return self._state_error or self._store.failure
 
     async def _sweep(self) -> None:
         period = min(1.0, self.polling_lease_timeout_sec / 4)
@@ -737,11 +794,32 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 def _wait_param(query: bytes, default: float) -> float:
     # ``?wait=SECONDS`` shortens the long poll (never lengthens it past the server's bound).
     values = parse_qs(query.decode("latin-1")).get("wait")
-    try:
-        wait = float(values[0]) if values else default
-    except ValueError:
+    if not values:
         return default
-    return min(max(wait, 0.0), default)
+    try:
+        wait = float(values[0])
+    except ValueError:
+        wait = math.nan
+    if not math.isfinite(wait) or wait < 0:  # nan would break the timer, inf ignore the bound
+        raise ProtocolError(
+            422,
+            [
+                {
+                    "loc": ["query", "wait"],
+                    "msg": "wait must be a finite number of seconds, 0 or more",
+                    "type": "value_error",
+                }
+            ],
+        )
+    return min(wait, default)
+
+
+def _unhealthy(failure: str) -> ProtocolError:
+    return ProtocolError(
+        503,
+        f"the server is unhealthy and admits no new rollouts: {failure}",
+        {"retry-after": str(RETRY_AFTER_SEC)},
+    )
 
 
 def _sha256(token: str) -> str:
@@ -761,7 +839,28 @@ def _request_json(request: RolloutRequest) -> str:
 
 
 def _dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, default=str).encode()
+    return _json_text(json.dumps(value, ensure_ascii=False, default=str))[1]
+
+
+def _result_json(body: dict[str, Any], key: str | None) -> tuple[str, bytes]:
+    """A result body as stored (text) and as served (UTF-8); never fails on odd text."""
+    text = json.dumps(body, ensure_ascii=False, default=str)
+    if key and len(key) >= MIN_SECRET_LENGTH and key in text:
+        text = text.replace(key, REDACTED)  # the key is never stored, nor echoed back
+    return _json_text(text)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_text(text: str) -> tuple[str, bytes]:
+    try:
+        return text, text.encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (bytes decoded with surrogateescape, say) has no UTF-8 form, so
+        # neither SQLite nor the wire can take it; strict JSON parsers refuse its \u escape.
+        text = _LONE_SURROGATE.sub("\ufffd", text)
+        return text, text.encode()
 
 
 async def _respond(

@@ -57,6 +57,10 @@ class StateFileBusyError(RuntimeError):
     """Another live server holds this state file."""
 
 
+class StoreFailedError(RuntimeError):
+    """The writer thread has stopped: nothing more can be committed until a restart."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoredRollout:
     """A row as loaded at start-up."""
@@ -77,7 +81,9 @@ class Store:
 
     Open it with ``open()`` from inside the event loop that will await its futures; close it
     with ``aclose()``, which commits everything queued before returning. One process at a
-    time: a second server on the same file gets ``StateFileBusyError``.
+    time: a second server on the same file gets ``StateFileBusyError``. A write that fails
+    fails its own future only; should the writer thread itself stop, ``failure`` says why and
+    every write fails at once with ``StoreFailedError``.
     """
 
     def __init__(self, path: Path | str, *, synchronous: str = "NORMAL") -> None:
@@ -90,6 +96,7 @@ class Store:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        self.failure: str | None = None  # why the writer stopped, if it did
         self.batches = 0  # commits so far: lets tests and benchmarks see the grouping
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -178,11 +185,14 @@ class Store:
 
     def forget(self, rollout_id: str) -> None:
         """Delete a rollout past retention (nobody waits for this one)."""
-        self._queue.put((_DELETE, (rollout_id,), None))
+        if self.failure is None:
+            self._queue.put((_DELETE, (rollout_id,), None))
 
     def _submit(self, sql: str, params: tuple[Any, ...]) -> asyncio.Future[None]:
         if self._thread is None or self._loop is None:
             raise RuntimeError("the store is not open")
+        if self.failure is not None:
+            raise StoreFailedError(self.failure)
         future: asyncio.Future[None] = self._loop.create_future()
         self._queue.put((sql, params, future))
         return future
@@ -193,41 +203,66 @@ class Store:
         assert self._conn is not None and self._loop is not None
         conn, loop = self._conn, self._loop
         stopping = False
-        while not stopping:
-            batch: list[_Op] = []
-            item = self._queue.get()
-            # Take everything queued meanwhile: one commit covers the whole batch.
-            while True:
-                if item is _STOP:
-                    stopping = True
-                else:
-                    batch.append(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if not batch:
-                continue
-            errors = self._commit(conn, batch)
-            self.batches += 1
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-                loop.call_soon_threadsafe(_resolve, batch, errors)
+        batch: list[_Op] = []
+        try:
+            while not stopping:
+                batch = []
+                item = self._queue.get()
+                # Take everything queued meanwhile: one commit covers the whole batch.
+                while True:
+                    if item is _STOP:
+                        stopping = True
+                    else:
+                        batch.append(item)
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if not batch:
+                    continue
+                errors = self._commit(conn, batch)
+                self.batches += 1
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                    loop.call_soon_threadsafe(_resolve, batch, errors)
+        except BaseException as exc:
+            # Only a bug gets here (_commit catches every error of a write). Say so loudly and
+            # fail every waiter: a dead writer must never leave a request hanging.
+            log.critical("the state file writer stopped", exc_info=exc)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._writer_died, batch, exc)
+
+    def _writer_died(self, batch: list[Any], exc: BaseException) -> None:
+        # On the event loop, the only thread that submits: nothing is queued after this.
+        self.failure = f"the state file writer stopped: {type(exc).__name__}: {exc}"
+        pending = list(batch)
+        while True:
+            try:
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        # Fail every waiter. What broke the writer may be a malformed item: trust no shape.
+        for item in pending:
+            future = item[-1] if isinstance(item, tuple) and item else None
+            if isinstance(future, asyncio.Future) and not future.done():
+                future.set_exception(StoreFailedError(self.failure))
 
     @staticmethod
     def _commit(conn: sqlite3.Connection, batch: list[_Op]) -> dict[int, BaseException]:
+        # Any error, not only sqlite3.Error: a value SQLite cannot take (a lone surrogate, a
+        # huge int) raises something else, and must fail its own write, not the writer.
         try:
             with _transaction(conn):
                 for sql, params, _ in batch:
                     conn.execute(sql, params)
             return {}
-        except sqlite3.Error:
+        except Exception:
             # One bad statement must not fail its neighbours: retry each on its own.
             errors: dict[int, BaseException] = {}
             for i, (sql, params, _) in enumerate(batch):
                 try:
                     with _transaction(conn):
                         conn.execute(sql, params)
-                except sqlite3.Error as exc:
+                except Exception as exc:
                     log.error("state file write failed: %s", exc)
                     errors[i] = exc
             return errors
@@ -250,10 +285,13 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield
+        conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        # SQLite rolls back on its own after some errors (disk full, I/O error); a second
+        # ROLLBACK would then fail and hide the real error.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT")
 
 
 def _resolve(batch: list[_Op], errors: dict[int, BaseException]) -> None:
