@@ -42,10 +42,12 @@ from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
 
 _ZYGOTE = Path(__file__).with_name("zygote.py")
-# The sandbox's first process: says it runs inside the finished mount tree, then waits on
-# its stdin, a pipe only the owner can write to, so one exec suffices (no `sleep`). It ends
-# when the owner closes the pipe (stop, or the owner's death).
-KEEPALIVE = ["/bin/sh", "-c", "echo ready; read _"]
+# The sandbox's pid 1: says it runs inside the finished mount tree, then waits on its
+# stdin, a pipe only the owner can write to (one exec, no `sleep`); it ends when the owner
+# closes the pipe (stop, or the owner's death). As pid 1 it is immune to signals from
+# inside (`kill -9 -1` as sandbox root no longer ends the sandbox), and bash reaps the
+# orphans it inherits (sh would leave them zombies).
+KEEPALIVE = ["/bin/bash", "-c", "echo ready; read _"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int) -> list[str]:
         "--unshare-uts",
         "--unshare-cgroup-try",
         "--die-with-parent",
+        "--as-pid-1",
         "--hostname",
         spec.hostname,
         "--info-fd",

@@ -353,3 +353,19 @@ async def test_exec_edge_cases(provider: Provider, tmp_path: Path) -> None:
         assert outcome and "stopped" in str(outcome[0])
     finally:
         await env.stop(delete=True)
+
+
+async def test_root_inside_cannot_end_the_sandbox(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("sleep 100 & kill -9 -1; kill -9 1; kill -TERM 1; echo after")
+        assert res.stdout == "after\n"
+        # Orphans are reaped, not left as zombies holding pids.
+        await env.exec("for i in 1 2 3; do (sleep 0.05 &); (setsid sleep 0.05 &); done")
+        await anyio.sleep(0.5)
+        res = await env.exec("ps -eo stat= | grep -c '^Z' || true")
+        assert res.stdout.strip() == "0"
+        assert (await env.exec("echo alive")).stdout == "alive\n"
+    finally:
+        await env.stop(delete=True)
