@@ -15,9 +15,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null \
-	  && command -v mkfs.ext4 >/dev/null || \
+	  && command -v mkfs.ext4 >/dev/null && command -v slirp4netns >/dev/null || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	      bubblewrap debootstrap socat e2fsprogs; }
+	      bubblewrap debootstrap socat e2fsprogs slirp4netns; }
 	@test -x $(PY) || python3.12 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade uv
 	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'

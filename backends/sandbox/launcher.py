@@ -68,7 +68,8 @@ class BootSpec:
     work: Path
     merged: Path
     cgroup_procs: Sequence[str]
-    network: bool = False  # True: share the host network (network_mode = "public")
+    network: bool = False  # True: a NAT'd uplink will be attached (network_mode = "public")
+    resolv_conf: str = "/etc/resolv.conf"  # bound at /etc/resolv.conf when `network`
     binds: Sequence[Bind] = field(default_factory=list)
     hostname: str = "sandbox"
     stage_dir: Path = Path("/nonexistent")  # where binds are staged before entering the userns
@@ -150,14 +151,14 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int) -> list[str]:
         "/proc",
         "--tmpfs",
         "/dev/shm",
+        # Always a network namespace of its own; with public network, slirp4netns gives it
+        # an uplink once it runs (backends.sandbox.network).
+        "--unshare-net",
     ]
-    if not spec.network:
-        argv.append("--unshare-net")
-    else:
-        # The host's resolver config, read-only, so names resolve as on the host.
-        for f in ("/etc/resolv.conf", "/etc/hosts"):
-            if Path(f).exists():
-                argv += ["--ro-bind", f, f]
+    if spec.network:
+        argv += ["--ro-bind", spec.resolv_conf, "/etc/resolv.conf"]
+        if Path("/etc/hosts").exists():
+            argv += ["--ro-bind", "/etc/hosts", "/etc/hosts"]
     for i, b in enumerate(spec.binds):
         argv += ["--ro-bind" if b.read_only else "--bind", str(staged(spec, i)), b.target]
     return [*argv, "--", *KEEPALIVE]

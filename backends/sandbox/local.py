@@ -71,10 +71,12 @@ class LocalSandbox(BaseEnvironment):
     """A Harbor environment run as a local bubblewrap sandbox.
 
     Isolation: a user namespace mapping sandbox root to host uid 100000 (host secrets stay
-    unreadable), pid/ipc/uts/mount namespaces, its own network namespace with only loopback
-    unless the task sets `network_mode = "public"`, a copy-on-write overlay over the image's
-    layers, and cgroup limits from task.toml (`cpus`, `memory_mb`) plus a pids limit. `stop()`
-    or the end of the owning process kills every process inside, daemons included.
+    unreadable), pid/ipc/uts/mount namespaces, its own network namespace (only loopback, or
+    with `network_mode = "public"` a NAT'd uplink through slirp4netns that cannot reach the
+    host's loopback), a copy-on-write overlay over the image's layers, and limits from
+    task.toml (`cpus`, `memory_mb` by cgroups, `storage_mb` by a disk image) plus a pids
+    limit. `stop()` or the end of the owning process kills every process inside, daemons
+    included.
 
     Images: `environment/Dockerfile` is built into cached overlay layers (see
     `backends.sandbox.layers`); `FROM` and `docker_image` resolve through

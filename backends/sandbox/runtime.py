@@ -24,7 +24,7 @@ from typing import BinaryIO, SupportsIndex
 
 import anyio
 
-from backends.sandbox import cgroups, disk, launcher
+from backends.sandbox import cgroups, disk, launcher, network
 from backends.sandbox.errors import (
     ExecTimeoutError,
     SandboxNotRunningError,
@@ -85,6 +85,7 @@ class BwrapSandbox:
         self._dir: Path | None = None
         self._cgroup: cgroups.SandboxCgroup | None = None
         self._booted: launcher.Booted | None = None
+        self._uplink: network.Uplink | None = None
         self._users: dict[str | int, User] = {}
         self._exec_ids = itertools.count()
 
@@ -126,6 +127,8 @@ class BwrapSandbox:
             SandboxStartError: the namespaces, overlay or bwrap failed (message says why).
         """
         launcher.require_host()
+        if self.spec.network:
+            network.require_slirp()
         if self._disk_limited():
             assert self.spec.storage_mb is not None
             disk.require_support(self.spec.storage_mb)
@@ -145,6 +148,8 @@ class BwrapSandbox:
                     _prepare_dir(*prepare)
             launcher.prepare_stage(spec)
             self._booted = await launcher.boot(spec)
+            if self.spec.network:
+                self._uplink = await network.connect(self._booted.init_pid)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown(None)
@@ -160,6 +165,7 @@ class BwrapSandbox:
             merged=_shared_mount_point(),
             cgroup_procs=self.cgroup.procs_files(),
             network=self.spec.network,
+            resolv_conf=network.resolv_conf() if self.spec.network else "/etc/resolv.conf",
             binds=self.spec.binds,
             stage_dir=self.dir / "binds",
             volatile=self.spec.upper is None,
@@ -201,6 +207,11 @@ class BwrapSandbox:
             await self.cgroup.wait_empty()
         if booted is not None:
             booted.close()
+        if self._uplink is not None:
+            # Host-side infrastructure, not sandbox code: killed, but not waited for (its
+            # network device's teardown takes tens of ms); the spawner reaps it.
+            self._uplink.close()
+            self._uplink = None
         _later(self._cleanup)
 
     def _cleanup(self) -> None:

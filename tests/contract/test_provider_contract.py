@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -164,15 +168,93 @@ async def test_network_none_by_default_public_on_request(
         assert "unreachable" in res.stdout.lower() and "ifaces=1" in res.stdout
     finally:
         await env.stop(delete=True)
-    env = provider.make(tmp_path, network_mode="public")
-    await env.start(force_build=False)
-    try:
-        res = await env.exec("cat /proc/net/dev | grep -c :")
-        assert int(res.stdout) > 1  # the host's interfaces, not just loopback
-    finally:
-        await env.stop(delete=True)
     with pytest.raises(ValueError, match="allowlist"):
         provider.make(tmp_path, network_mode="allowlist", allowed_hosts=["example.org"])
+
+
+CONNECT = """
+import socket, sys
+for host, port in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        print(socket.create_connection((host, int(port)), timeout=2).recv(64).decode().strip())
+    except OSError as e:
+        print(type(e).__name__)
+"""
+
+
+def _host_address() -> str | None:
+    """This host's address on its default route, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent for a UDP connect
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") else addr
+
+
+@contextlib.contextmanager
+def _tcp_banner(host: str, text: str) -> Iterator[int]:
+    srv = socket.create_server((host, 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(text.encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        srv.close()
+
+
+async def test_public_network_is_its_own_not_the_hosts(provider: Provider, tmp_path: Path) -> None:
+    (tmp_path / "connect.py").write_text(CONNECT)
+    outside = _host_address()
+    with (
+        _tcp_banner("127.0.0.1", "host-loopback") as lo_port,
+        _tcp_banner("0.0.0.0", "host-network") as any_port,
+    ):
+        one = provider.make(tmp_path, network_mode="public")
+        two = provider.make(tmp_path, network_mode="public")
+        await one.start(force_build=False)
+        await two.start(force_build=False)
+        try:
+            await one.upload_file(tmp_path / "connect.py", "/connect.py")
+            targets = f"127.0.0.1 {lo_port} 10.0.2.2 {lo_port}"
+            if outside:
+                targets += f" {outside} {any_port}"
+            res = await one.exec(f"python3 /connect.py {targets}; grep -c : /proc/net/dev")
+            lines = res.stdout.split()
+            # The host's loopback services (an inference server, say) stay out of reach ...
+            assert lines[0] == "ConnectionRefusedError" and lines[1] != "host-loopback"
+            # ... the outside is reachable through NAT, on the sandbox's own interface.
+            if outside:
+                assert lines[2] == "host-network"
+            assert lines[-1] == "2"  # lo and the uplink, not the host's interfaces
+            # Each sandbox has its own ports: both can listen on the same one.
+            listen = "socat TCP-LISTEN:18080,bind=127.0.0.1 EXEC:'echo {}' & sleep 0.3"
+            for env, name in ((one, "one"), (two, "two")):
+                await env.exec(
+                    listen.format(name) + "; grep -c ':4E20 00000000:0000 0A' /proc/net/tcp"
+                )
+            res = await two.exec(
+                "python3 -c \"import socket; print(socket.create_connection(('127.0.0.1', 18080)).recv(9).decode().strip())\""
+            )
+            assert res.stdout == "two\n"
+        finally:
+            await one.stop(delete=True)
+            await two.stop(delete=True)
 
 
 async def test_host_secrets_unreadable(provider: Provider, tmp_path: Path) -> None:
