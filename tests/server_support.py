@@ -29,6 +29,7 @@ from backends import (
     SampleSource,
     get_rollout_context,
 )
+from backends.server import LEASE_HEADER, create_rollout_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,3 +196,28 @@ def server_process(
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+
+
+def server(tmp_path: Path, backend: Any = None, **options: Any) -> Any:
+    """A rollout server app with its state and artifacts under tmp_path."""
+    options.setdefault("state_file", tmp_path / "state.sqlite3")
+    options.setdefault("artifacts_root", tmp_path / "rollouts")
+    return create_rollout_server(backend=backend or make_backend(), **options)
+
+
+async def submit(http: httpx.AsyncClient, rid: str, **extra: Any) -> str:
+    """POST a rollout; return its lease token (the answer must be 202, queued)."""
+    response = await http.post("/rollout", json=rollout_body(rid, **extra))
+    assert response.status_code == 202, response.text
+    data = response.json()
+    assert data["rollout_id"] == rid and data["status"] == "queued"
+    return str(data["polling_lease_token"])
+
+
+async def result(http: httpx.AsyncClient, rid: str, lease: str, wait: float = 10) -> dict[str, Any]:
+    """Long-poll a rollout's result (the answer must be 200)."""
+    response = await http.get(
+        f"/rollout/{rid}/result", headers={LEASE_HEADER: lease}, params={"wait": wait}
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())

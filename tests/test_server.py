@@ -11,36 +11,14 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from server_support import make_backend, rollout_body, serve_in_process
+from server_support import make_backend, result, rollout_body, serve_in_process, server, submit
 
 from backends.rollout.backend import CancelDisposition
-from backends.server import LEASE_HEADER, RolloutClient, RolloutServerError, create_rollout_server
+from backends.server import LEASE_HEADER, RolloutClient, RolloutServerError
 
 pytestmark = pytest.mark.anyio
 
 KEY = "sk-test-key-0123456789abcdef"
-
-
-def server(tmp_path: Path, backend: Any = None, **options: Any) -> Any:
-    options.setdefault("state_file", tmp_path / "state.sqlite3")
-    options.setdefault("artifacts_root", tmp_path / "rollouts")
-    return create_rollout_server(backend=backend or make_backend(), **options)
-
-
-async def submit(http: httpx.AsyncClient, rid: str, **extra: Any) -> str:
-    response = await http.post("/rollout", json=rollout_body(rid, **extra))
-    assert response.status_code == 202, response.text
-    data = response.json()
-    assert data["rollout_id"] == rid and data["status"] == "queued"
-    return str(data["polling_lease_token"])
-
-
-async def result(http: httpx.AsyncClient, rid: str, lease: str, wait: float = 10) -> dict[str, Any]:
-    response = await http.get(
-        f"/rollout/{rid}/result", headers={LEASE_HEADER: lease}, params={"wait": wait}
-    )
-    assert response.status_code == 200, response.text
-    return dict(response.json())
 
 
 async def test_health_reports_backend_and_lifecycle(tmp_path: Path) -> None:

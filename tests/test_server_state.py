@@ -14,33 +14,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from server_support import make_backend, rollout_body, serve_in_process
+from server_support import result, rollout_body, serve_in_process, server, submit
 
 from backends import AgentWorkflow, AgentWorkflowConfig, AgentWorkflowContext, LocalBackend
-from backends.server import LEASE_HEADER, create_rollout_server
 from backends.server.store import Store
 
 pytestmark = pytest.mark.anyio
-
-
-def server(tmp_path: Path, backend: Any = None, **options: Any) -> Any:
-    options.setdefault("state_file", tmp_path / "state.sqlite3")
-    options.setdefault("artifacts_root", tmp_path / "rollouts")
-    return create_rollout_server(backend=backend or make_backend(), **options)
-
-
-async def submit(http: httpx.AsyncClient, rid: str, **extra: Any) -> str:
-    response = await http.post("/rollout", json=rollout_body(rid, **extra))
-    assert response.status_code == 202, response.text
-    return str(response.json()["polling_lease_token"])
-
-
-async def result(http: httpx.AsyncClient, rid: str, lease: str) -> dict[str, Any]:
-    response = await http.get(
-        f"/rollout/{rid}/result", headers={LEASE_HEADER: lease}, params={"wait": 10}
-    )
-    assert response.status_code == 200, response.text
-    return dict(response.json())
 
 
 class Undecodable(AgentWorkflow[AgentWorkflowConfig]):
@@ -70,6 +49,9 @@ async def test_output_with_a_lone_surrogate_is_served_stored_and_harmless(
     async with serve_in_process(server(tmp_path, backend)) as url:
         async with httpx.AsyncClient(base_url=url, timeout=5) as http:
             assert await result(http, "odd", lease) == data  # committed, not lost
+    # Its trajectory is saved too, with the same replacement.
+    saved = await anyio.Path(tmp_path / "rollouts" / "odd" / "trajectory.json").read_text()
+    assert "caf\ufffd" in saved
 
 
 async def test_a_write_sqlite_cannot_take_fails_alone(tmp_path: Path) -> None:

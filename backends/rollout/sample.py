@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,23 @@ def json_copy(value: Any) -> Any:
     if kind in (str, int, float, bool) or value is None:
         return value
     return copy.deepcopy(value)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def utf8_json_text(text: str) -> tuple[str, bytes]:
+    """JSON text as saved or served, and its UTF-8 bytes; never fails on odd text.
+
+    A lone surrogate (output bytes decoded with surrogateescape, say) has no UTF-8 form, so
+    neither files, SQLite nor the wire can take it, and strict JSON parsers refuse its
+    ``\\u`` escape: it becomes U+FFFD.
+    """
+    try:
+        return text, text.encode()
+    except UnicodeEncodeError:
+        text = _LONE_SURROGATE.sub("\ufffd", text)
+        return text, text.encode()
 
 
 class MessageFormatError(TypeError, ValueError):

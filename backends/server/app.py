@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import time
 import uuid
@@ -51,6 +50,7 @@ from backends.rollout.request import (
     RolloutResult,
     RolloutStatus,
 )
+from backends.rollout.sample import utf8_json_text
 from backends.server.protocol import (
     LEASE_HEADER,
     LEASE_HEADER_ALIAS,
@@ -354,6 +354,7 @@ class RolloutServer:
             entry.scope.cancel()
         self._active.pop(entry.rollout_id, None)
         self._rollouts.pop(entry.rollout_id, None)
+        self._keys.pop(entry.rollout_id, None)
 
     # -- one rollout -----------------------------------------------------------------------
 
@@ -839,7 +840,7 @@ def _request_json(request: RolloutRequest) -> str:
 
 
 def _dumps(value: Any) -> bytes:
-    return _json_text(json.dumps(value, ensure_ascii=False, default=str))[1]
+    return utf8_json_text(json.dumps(value, ensure_ascii=False, default=str))[1]
 
 
 def _result_json(body: dict[str, Any], key: str | None) -> tuple[str, bytes]:
@@ -847,20 +848,7 @@ def _result_json(body: dict[str, Any], key: str | None) -> tuple[str, bytes]:
     text = json.dumps(body, ensure_ascii=False, default=str)
     if key and len(key) >= MIN_SECRET_LENGTH and key in text:
         text = text.replace(key, REDACTED)  # the key is never stored, nor echoed back
-    return _json_text(text)
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _json_text(text: str) -> tuple[str, bytes]:
-    try:
-        return text, text.encode()
-    except UnicodeEncodeError:
-        # A lone surrogate (bytes decoded with surrogateescape, say) has no UTF-8 form, so
-        # neither SQLite nor the wire can take it; strict JSON parsers refuse its \u escape.
-        text = _LONE_SURROGATE.sub("\ufffd", text)
-        return text, text.encode()
+    return utf8_json_text(text)
 
 
 async def _respond(

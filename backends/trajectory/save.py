@@ -22,6 +22,7 @@ from harbor.models.trajectories import Metrics, Trajectory
 
 from backends.rollout.artifacts import rollout_dir
 from backends.rollout.request import POLICY_TRACE_FIELD, RolloutResult
+from backends.rollout.sample import utf8_json_text
 from backends.trajectory.atif import to_trajectory
 from backends.trajectory.policy_metrics import agent_step_metrics as policy_step_metrics
 from backends.trajectory.redact import Redactor
@@ -79,7 +80,7 @@ def save_trajectory(
         text = json.dumps(trajectory.to_json_dict(), indent=2, ensure_ascii=False, default=str)
         text = Redactor(secrets).secrets_only(text)
         path = rollout_dir(root, result.rollout_id) / TRAJECTORY_FILE
-        write_atomic(path, text.encode())
+        write_atomic(path, utf8_json_text(text)[1])
         return path
     except Exception as exc:  # best effort by contract: the result matters, the file does not
         log.warning("could not save the trajectory of rollout %s: %s", result.rollout_id, exc)
