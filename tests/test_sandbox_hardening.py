@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import uuid
@@ -13,6 +14,7 @@ import anyio
 import pytest
 
 from backends.sandbox.contract import PROVIDERS
+from backends.sandbox.errors import SandboxNotRunningError
 from backends.sandbox.layers import layers_dir
 from backends.sandbox.rootfs import rootfs_path
 
@@ -125,3 +127,23 @@ def test_two_event_loops_share_the_spawner(tmp_path: Path) -> None:
     thread.join(90)
     assert not errors and not thread.is_alive()
     assert ours == other == [0] * 300
+
+
+async def test_exec_never_enters_a_reused_pid(tmp_path: Path) -> None:
+    """Commands enter by pid 1's pidfd: once it is gone, its pid number (perhaps reused by a
+    host process) is never used to join namespaces."""
+    env = LOCAL.make(tmp_path)
+    await env.start(force_build=False)
+    host = await anyio.open_process(["sleep", "60"])
+    try:
+        box = env._box  # type: ignore[attr-defined]
+        booted = box._booted
+        os.kill(booted.init_pid, signal.SIGKILL)  # sandbox root could do this via ptrace
+        await booted.init_exited()
+        booted.init_pid = host.pid  # as if the number had been reused by a host process
+        with pytest.raises(SandboxNotRunningError):
+            await env.exec("hostname; cat /etc/shadow")
+    finally:
+        host.kill()
+        await host.wait()
+        await env.stop(delete=True)

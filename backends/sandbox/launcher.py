@@ -247,11 +247,12 @@ class Spawner:
         cgroup_procs: Sequence[str],
         boot: dict[str, object] | None = None,
         enter: dict[str, object] | None = None,
+        enter_pidfd: int = -1,
     ) -> SandboxProcess:
         """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
 
-        With `enter` ({"pid", "uid", "gid", "groups"}) argv runs inside the live sandbox
-        whose pid 1 has host pid `pid`, as that user, found on `env`'s PATH.
+        With `enter` ({"uid", "gid", "groups"}) argv runs inside the live sandbox whose pid 1
+        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH.
 
         Raises:
             OSError: the spawner is gone, or the child failed before exec (message says why).
@@ -271,6 +272,10 @@ class Spawner:
         }
         data = json.dumps(req).encode()
         send_fds = list(fds)
+        if enter is not None:
+            if enter_pidfd < 0:
+                raise OSError("no pidfd of the sandbox's pid 1 to enter it by")
+            send_fds.append(enter_pidfd)
         spill: int | None = None
         if len(data) > INLINE_REQUEST_BYTES:
             # A socket message has a size limit a long command (up to execve's ~2 MB) would
@@ -443,6 +448,28 @@ class Booted:
     init_pid: int  # host pid of the sandbox's pid 1: commands join its namespaces
     keepalive: int  # write end of the first process's stdin: closing it ends that process
     init_fd: int = -1  # pidfd of pid 1: readable once it, and so its whole pid namespace, is gone
+
+    def alive(self) -> bool:
+        """Is the sandbox's pid 1 still running (asked through its pidfd, never its number)?"""
+        if self.init_fd < 0:
+            return False
+        try:
+            signal.pidfd_send_signal(self.init_fd, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def open_namespace(self, name: str) -> int:
+        """An fd of one of the sandbox's namespaces, checked to belong to its live pid 1.
+
+        Raises:
+            ProcessLookupError: pid 1 is gone (its number may already be someone else's).
+        """
+        fd = os.open(f"/proc/{self.init_pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        if not self.alive():  # opened after pid 1 died: the number may have been reused
+            os.close(fd)
+            raise ProcessLookupError(f"the sandbox's pid 1 ({self.init_pid}) is gone")
+        return fd
 
     async def init_exited(self) -> None:
         """Wait until the sandbox's pid 1 has exited (after everything else in it)."""

@@ -64,8 +64,8 @@ class Uplink:
         self.process.kill()
 
 
-async def connect(init_pid: int) -> Uplink:
-    """Attach a NAT'd `tap0` to the network namespace of the sandbox whose pid 1 is init_pid.
+async def connect(booted: launcher.Booted) -> Uplink:
+    """Attach a NAT'd `tap0` to the network namespace of the booted sandbox.
 
     Raises:
         SandboxStartError: slirp4netns failed or did not become ready (its stderr included).
@@ -75,20 +75,28 @@ async def connect(init_pid: int) -> Uplink:
     ready_r, ready_w = os.pipe()
     err_r, err_w = os.pipe()
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    # By namespace fd, not pid: a pid number could be reused by a host process.
     argv = [
         slirp, "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
-        "--enable-seccomp", "--exit-fd=3", "--ready-fd=4", str(init_pid), "tap0",
+        "--enable-seccomp", "--exit-fd=3", "--ready-fd=4", "--netns-type=path",
+        "/proc/self/fd/5", "tap0",
     ]  # fmt: skip
     try:
+        try:
+            netns = booted.open_namespace("net")
+        except ProcessLookupError as e:
+            for fd in (null, exit_r, ready_w, err_w):
+                os.close(fd)
+            raise SandboxStartError(f"sandbox died before its network came up: {e}") from e
         try:
             proc = await launcher.spawner().spawn(
                 argv,
                 env=launcher.BOOT_ENV,
-                fds=(null, null, err_w, exit_r, ready_w),
+                fds=(null, null, err_w, exit_r, ready_w, netns),
                 cgroup_procs=(),
             )
         finally:
-            for fd in (null, exit_r, ready_w, err_w):
+            for fd in (null, exit_r, ready_w, err_w, netns):
                 os.close(fd)
         try:
             with anyio.fail_after(READY_TIMEOUT_SEC):

@@ -149,7 +149,7 @@ class BwrapSandbox:
             launcher.prepare_stage(spec)
             self._booted = await launcher.boot(spec)
             if self.spec.network:
-                self._uplink = await network.connect(self._booted.init_pid)
+                self._uplink = await network.connect(self._booted)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown(None)
@@ -301,15 +301,11 @@ class BwrapSandbox:
                     env=full_env,
                     fds=(in_r, out_w, err_w),
                     cgroup_procs=self.cgroup.procs_files(group),
-                    enter={
-                        "pid": booted.init_pid,
-                        "uid": user.uid,
-                        "gid": user.gid,
-                        "groups": [user.gid, *user.groups],
-                    },
+                    enter={"uid": user.uid, "gid": user.gid, "groups": [user.gid, *user.groups]},
+                    enter_pidfd=booted.init_fd,
                 )
             except OSError as e:
-                if booted.process.returncode is not None or not _alive(booted.init_pid):
+                if booted.process.returncode is not None or not booted.alive():
                     raise SandboxNotRunningError(f"sandbox {self.label} is not running") from e
                 raise
             finally:
@@ -464,14 +460,6 @@ def _remove_entry(name: str) -> None:
 
 
 _pool = _Pool()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class _Fds:

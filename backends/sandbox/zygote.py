@@ -16,11 +16,11 @@ Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
   files], "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
   [image, point]}, "uid_map",
-  "enter": null | {"pid", "uid", "gid", "groups"}}` with the fds to install at those numbers
-  (every other fd is closed). `enter` runs the command inside a live sandbox: the child is
-  forked straight into the sandbox's pid namespace and joins its user, mount, network, ipc
-  and uts namespaces and its root and cwd (what `nsenter` would do, without its exec and
-  fork); the command is then looked up on the sandbox's PATH and a failed exec is an
+  "enter": null | {"uid", "gid", "groups"}}` with the fds to install at those numbers
+  (every other fd is closed), and with `enter` the pidfd of the sandbox's pid 1 after them.
+  `enter` runs the command inside a live sandbox: the child is forked straight into the
+  sandbox's pid namespace and joins its user, mount, network, ipc and uts namespaces (what
+  `nsenter` would do, without its exec and fork); the command is then looked up on the sandbox's PATH and a failed exec is an
   ordinary exit (127, or 126) with the reason on its stderr, as in a shell. A request too
   large for one message arrives as `{"spilled": true}` with a memfd holding it as the last fd;
 - reply `{"id", "pid"}` with a pidfd once the child has exec'd, or `{"id", "error"}`;
@@ -45,9 +45,10 @@ import sys
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
-# Joined in this order: the user namespace first, so its capabilities cover the others.
-ENTER_NAMESPACES = (("user", CLONE_NEWUSER), ("ipc", 0x08000000), ("uts", 0x04000000),
-                    ("net", 0x40000000), ("mnt", CLONE_NEWNS))  # fmt: skip
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWNET = 0x40000000
+ENTER_NAMESPACES = CLONE_NEWUSER | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_NEWNS
 MS_RDONLY = 1
 MS_NODEV = 4
 MS_REMOUNT = 32
@@ -83,7 +84,7 @@ def _write_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
+def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None) -> None:
     """In the forked child: join cgroups, set up namespaces, install fds, exec. Never returns."""
     try:
         # Not dumpable until exec (which resets it; runc's fix for CVE-2016-9962): after
@@ -98,14 +99,15 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int) -> None:
         high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for f in fds]
         err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
         go_r = fcntl.fcntl(go_r, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
-        _close_all_but({*high, err_w, go_r})
+        _close_all_but({*high, err_w, go_r, *([] if target is None else [target])})
         # First, before anything can fork: every descendant stays inside the limits.
         # ("0" is the writer itself, whichever pid namespace it was forked into.)
         for f in req["cgroups"]:
             _write_file(f, b"0")
         enter = req.get("enter")
         if enter:
-            _enter(enter)
+            assert target is not None
+            _enter(enter, target)
         boot = req.get("boot")
         if boot:
             # Still host root, in a private mount namespace: mount the overlay and stage
@@ -224,24 +226,12 @@ def _exec_on_path(argv: list[str], env: dict[str, str]) -> OSError:
     return first or FileNotFoundError(2, "No such file or directory")
 
 
-def _enter(enter: dict) -> None:
-    """Join the namespaces, root and cwd of the sandbox process `enter["pid"]`, as its user."""
-    proc = f"/proc/{enter['pid']}"
-    fds = [(os.open(f"{proc}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC), kind)
-           for name, kind in ENTER_NAMESPACES]  # fmt: skip
-    root = os.open(f"{proc}/root", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-    cwd = os.open(f"{proc}/cwd", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-    for (name, _), (fd, kind) in zip(ENTER_NAMESPACES, fds, strict=True):
-        ours, theirs = os.stat(f"/proc/self/ns/{name}"), os.fstat(fd)
-        # One shared with the host (network_mode public) is not ours to join from inside.
-        if (ours.st_dev, ours.st_ino) != (theirs.st_dev, theirs.st_ino):
-            os.setns(fd, kind)
-        os.close(fd)
-    os.fchdir(root)
-    os.chroot(".")
-    os.fchdir(cwd)
-    os.close(root)
-    os.close(cwd)
+def _enter(enter: dict, target: int) -> None:
+    """Join the namespaces of the sandbox whose pid 1 is the pidfd `target`, as its user."""
+    # All at once through the pidfd: if pid 1 is gone this fails, where opening /proc/<pid>
+    # could reach whichever process (perhaps a host one) reused the number.
+    os.setns(target, ENTER_NAMESPACES)
+    os.chdir("/")  # joining a mount namespace put us at its root: the sandbox's
     os.setgroups(enter["groups"])
     os.setresgid(enter["gid"], enter["gid"], enter["gid"])
     os.setresuid(enter["uid"], enter["uid"], enter["uid"])
@@ -302,33 +292,33 @@ class Spawner:
             size = os.fstat(spill).st_size
             req = json.loads(os.pread(spill, size, 0))
             os.close(spill)
+        # With `enter`, the sandbox's pid 1 comes as a pidfd, the last fd.
+        target = fds.pop() if req.get("enter") else None
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
+        own = [f for f in (*fds, target) if f is not None]
         try:
-            pid = self.fork(req.get("enter"))
+            pid = self.fork(target)
         except OSError as e:
-            for f in (*fds, err_r, err_w, go_r, go_w):
+            for f in (*own, err_r, err_w, go_r, go_w):
                 os.close(f)
-            self.send({"id": req["id"], "error": f"fork: {e}"})
+            where = "fork" if target is None else "enter the sandbox"
+            self.send({"id": req["id"], "error": f"{where}: {e}"})
             return
         if pid == 0:
-            _child(req, fds, err_w, go_r)
-        for f in (*fds, err_w, go_r):
+            _child(req, fds, err_w, go_r, target)
+        for f in (*own, err_w, go_r):
             os.close(f)
         pidfd = os.pidfd_open(pid)
         self.children[pid] = _Child(req["id"], err_r, go_w, pidfd, req.get("uid_map", ""))
         self.sel.register(err_r, selectors.EVENT_READ, ("err", pid))
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
 
-    def fork(self, enter: dict | None) -> int:
-        """fork(); with `enter`, the child is born in that sandbox's pid namespace."""
-        if not enter:
+    def fork(self, target: int | None) -> int:
+        """fork(); with `target` (a pidfd), the child is born in that process's pid namespace."""
+        if target is None:
             return os.fork()
-        ns = os.open(f"/proc/{enter['pid']}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.setns(ns, CLONE_NEWPID)  # only our future children's pid namespace changes
-        finally:
-            os.close(ns)
+        os.setns(target, CLONE_NEWPID)  # only our future children's pid namespace changes
         try:
             pid = os.fork()
         except OSError:
