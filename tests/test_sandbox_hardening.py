@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from backends.sandbox.contract import PROVIDERS
-from backends.sandbox.errors import SandboxNotRunningError
+from backends.sandbox.errors import SandboxNotRunningError, SandboxStartError
 from backends.sandbox.layers import layers_dir
 from backends.sandbox.rootfs import rootfs_path
 
@@ -147,3 +147,58 @@ async def test_exec_never_enters_a_reused_pid(tmp_path: Path) -> None:
         host.kill()
         await host.wait()
         await env.stop(delete=True)
+
+
+CHAIN = r"""
+import io, tarfile
+# Each link is checked while the names it goes through do not exist yet (so it resolves
+# inside); the members added last make the chain climb eight levels: reward.txt -> /etc/shadow.
+with tarfile.open("/crafted.tar", "w") as tar:
+    def link(name, target):
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname = tarfile.SYMTYPE, target
+        tar.addfile(info)
+    for k in range(1, 9):
+        link(f"l{k}", f"m{k}/..")
+    link("reward.txt", "l8/etc/shadow")
+    for k in range(8, 1, -1):
+        link(f"m{k}", f"l{k - 1}")
+    link("m1", ".")
+"""
+
+
+async def test_download_link_chains_cannot_reach_the_host(tmp_path: Path) -> None:
+    (tmp_path / "chain.py").write_text(CHAIN)
+    env = LOCAL.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        await env.upload_file(tmp_path / "chain.py", "/chain.py")
+        # Root inside chooses what `tar` is, so the archive's order is the sandbox's to pick.
+        setup = "python3 /chain.py && printf '#!/bin/sh\\nexec cat /crafted.tar\\n' > /usr/local/sbin/tar && chmod +x /usr/local/sbin/tar"
+        assert (await env.exec(setup)).return_code == 0
+        out = tmp_path / "verifier"
+        await env.download_dir("/logs/verifier", out)
+    finally:
+        await env.stop(delete=True)
+    for path in out.rglob("*"):
+        assert not path.is_symlink() or path.resolve().is_relative_to(out.resolve()), path
+    assert not (out / "reward.txt").exists()
+
+
+async def test_a_start_failing_after_boot_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "bin" / "slirp4netns"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'no uplink today' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = LOCAL.make(tmp_path, network_mode="public")
+    await env.start(force_build=False)  # warm: pools, spawner, base image
+    await env.stop(delete=True)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        env = LOCAL.make(tmp_path, network_mode="public")
+        with pytest.raises(SandboxStartError, match="no uplink today"):
+            await env.start(force_build=False)
+    assert len(os.listdir("/proc/self/fd")) <= before  # a leak would add two per start

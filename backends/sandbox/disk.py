@@ -59,7 +59,8 @@ def format_image(image: Path, storage_mb: int, contents: Path) -> None:
     Raises:
         OSError: mkfs failed (its message included).
     """
-    with open(image, "wb") as f:
+    # 0600: the image holds the sandbox's files, for host root's eyes only.
+    with open(os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.truncate(storage_mb * 1024 * 1024)
     res = subprocess.run(
         ["mkfs.ext4", "-q", "-F", "-O", "^has_journal,^resize_inode", "-m", "0", "-i", "8192",

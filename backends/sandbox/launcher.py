@@ -77,6 +77,7 @@ class BootSpec:
     # syncing the whole upper filesystem at unmount, about 1 ms off every stop here.
     volatile: bool = False
     disk: Path | None = None  # ext4 image holding upper and work, mounted on their parent
+    shm_bytes: int = 64 * 1024 * 1024  # size of /dev/shm (docker's default)
 
 
 @functools.cache
@@ -149,8 +150,14 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int) -> list[str]:
         "/dev",
         "--proc",
         "/proc",
+        # /dev/shm is a tmpfs outside the disk limit: sized (its pages also count against the
+        # memory limit), and /dev itself read-only once set up, so neither is spare storage.
+        "--size",
+        str(spec.shm_bytes),
         "--tmpfs",
         "/dev/shm",
+        "--remount-ro",
+        "/dev",
         # Always a network namespace of its own; with public network, slirp4netns gives it
         # an uplink once it runs (backends.sandbox.network).
         "--unshare-net",
@@ -248,11 +255,13 @@ class Spawner:
         boot: dict[str, object] | None = None,
         enter: dict[str, object] | None = None,
         enter_pidfd: int = -1,
+        max_file_bytes: int | None = None,
     ) -> SandboxProcess:
         """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
 
         With `enter` ({"uid", "gid", "groups"}) argv runs inside the live sandbox whose pid 1
-        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH.
+        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH. `max_file_bytes`
+        caps the size of any file the process writes (RLIMIT_FSIZE; past it, SIGXFSZ).
 
         Raises:
             OSError: the spawner is gone, or the child failed before exec (message says why).
@@ -269,6 +278,7 @@ class Spawner:
             "boot": boot,
             "uid_map": f"0 {UID_BASE} {UID_COUNT}\n",
             "enter": enter,
+            "max_file_bytes": max_file_bytes,
         }
         data = json.dumps(req).encode()
         send_fds = list(fds)

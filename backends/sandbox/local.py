@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import shlex
+import signal
 import sys
 import tempfile
 import uuid
@@ -67,6 +68,10 @@ def _parse_binds(raw: Iterable[Any] | str | None) -> list[Bind]:
     return binds
 
 
+DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
+TRANSFER_TIMEOUT_SEC = 1800  # a download the sandbox stalls must not hold a trial forever
+
+
 class LocalSandbox(BaseEnvironment):
     """A Harbor environment run as a local bubblewrap sandbox.
 
@@ -103,6 +108,9 @@ class LocalSandbox(BaseEnvironment):
     - `max_output_bytes`: output an `exec` keeps per stream (default 64 MiB); the rest is
       drained, dropped, and reported at the end of its stderr.
 
+    - `shm_size_mb`: size of /dev/shm (default: the task's memory_mb, else 64).
+    - `max_download_bytes`: the largest archive a download may produce (default: the disk
+      limit plus 64 MiB when `storage_mb` is set, else 16 GiB); larger is an error.
     - `enforce_storage`: True (default) enforces the task's `storage_mb` (the sandbox writes
       into a sparse ext4 image that size; past it, ENOSPC); False runs without a disk limit,
       for hosts without loop devices.
@@ -132,6 +140,8 @@ class LocalSandbox(BaseEnvironment):
         pids_limit: int | str = DEFAULT_PIDS_LIMIT,
         build_network: str = "public",
         max_output_bytes: int | str = OUTPUT_LIMIT,
+        max_download_bytes: int | str | None = None,
+        shm_size_mb: int | str | None = None,
         enforce_storage: bool | str = True,
         **kwargs: Any,
     ) -> None:
@@ -167,6 +177,17 @@ class LocalSandbox(BaseEnvironment):
                 "network_mode='allowlist' is not supported by local-sandbox environment: it "
                 "can give no network or the host's network, nothing in between"
             )
+        storage = self._effective_storage_mb if self._enforce_storage else None
+        if max_download_bytes is not None:
+            self._max_download = int(max_download_bytes)
+        elif storage:
+            self._max_download = (storage + 64) * 1024 * 1024
+        else:
+            self._max_download = DEFAULT_MAX_DOWNLOAD
+        # /dev/shm: as docker's --shm-size; by default 64 MiB, or the memory limit when set
+        # (its pages count against that limit anyway).
+        memory = self._effective_memory_mb
+        self._shm_mb = int(shm_size_mb) if shm_size_mb is not None else (memory or 64)
         if self._effective_storage_mb and not self._enforce_storage:
             log.warning(
                 "%s: storage_mb=%s is not enforced (enforce_storage=False)",
@@ -257,6 +278,7 @@ class LocalSandbox(BaseEnvironment):
                 ),
                 precreate_dirs=dirs,
                 storage_mb=self._effective_storage_mb if self._enforce_storage else None,
+                shm_mb=self._shm_mb,
             ),
             name=name,
         )
@@ -388,8 +410,22 @@ class LocalSandbox(BaseEnvironment):
         self, argv: list[str], what: str, extract: Callable[[BinaryIO], None]
     ) -> None:
         box = self._require()
+        limit = self._max_download
         with tempfile.TemporaryFile() as archive:
-            res = await box.run(argv, user=await box.resolve_user(0), stdout=archive)
+            # The archive is written by sandbox code (root inside decides what `tar` is): its
+            # size is capped by the spawner and its time by a timeout, so a sandbox cannot
+            # fill the host's disk or hold the caller forever through a download.
+            res = await box.run(
+                argv,
+                user=await box.resolve_user(0),
+                stdout=archive,
+                timeout=TRANSFER_TIMEOUT_SEC,
+                max_file_bytes=limit,
+            )
+            if res.return_code == 128 + signal.SIGXFSZ:
+                raise OSError(
+                    f"cannot download {what}: larger than {limit} bytes (max_download_bytes)"
+                )
             if res.return_code != 0:
                 raise FileNotFoundError(f"cannot download {what}: {res.stderr.decode().strip()}")
             await anyio.to_thread.run_sync(extract, archive)
@@ -405,7 +441,7 @@ class LocalSandbox(BaseEnvironment):
         parent, name = source.rsplit("/", 1)
         target = Path(target_path)
         await self._tar_out(
-            ["tar", "-c", "-h", "-C", parent or "/", "-f", "-", name],
+            ["tar", "-c", "--sparse", "-h", "-C", parent or "/", "-f", "-", name],
             source,
             lambda archive: transfer.safe_extract(
                 archive, target.parent, rename_single=target.name
@@ -422,7 +458,7 @@ class LocalSandbox(BaseEnvironment):
         source = transfer.sandbox_path(source_dir, self.workdir)
         target = Path(target_dir)
         await self._tar_out(
-            ["tar", "-c", "-C", source, "-f", "-", "."],
+            ["tar", "-c", "--sparse", "-C", source, "-f", "-", "."],
             source,
             lambda archive: transfer.safe_extract(archive, target),
         )

@@ -75,6 +75,7 @@ class SandboxSpec:
     upper: Path | None = None  # keep the writable layer here (layer builds); else scratch
     # Cap on what the sandbox may write (its scratch layer lives in an image this size).
     storage_mb: int | None = None
+    shm_mb: int = 64  # size of /dev/shm
 
 
 class BwrapSandbox:
@@ -152,7 +153,8 @@ class BwrapSandbox:
                 self._uplink = await network.connect(self._booted)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._teardown(None)
+                booted, self._booted = self._booted, None  # booted, then failed after it
+                await self._teardown(booted)
             raise
 
     def _boot_spec(self) -> launcher.BootSpec:
@@ -169,6 +171,7 @@ class BwrapSandbox:
             binds=self.spec.binds,
             stage_dir=self.dir / "binds",
             volatile=self.spec.upper is None,
+            shm_bytes=self.spec.shm_mb * 1024 * 1024,
         )
 
     def _pool_key(self) -> _PoolKey:
@@ -260,12 +263,15 @@ class BwrapSandbox:
         stdout: BinaryIO | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - mirrors Harbor's exec(timeout_sec)
         output_limit: int = OUTPUT_LIMIT,
+        max_file_bytes: int | None = None,
     ) -> RunResult:
         """Run argv inside the sandbox and collect its exit code and output.
 
         `stdin` and `stdout` may be real files (with a descriptor): the command then reads or
         writes them directly, and nothing passes through memory. Collected output keeps at
         most `output_limit` bytes per stream; the rest is drained and counted as dropped.
+        `max_file_bytes` caps each file the command writes (a `stdout` file included): past
+        it the command is killed by SIGXFSZ (exit 153).
         A non-zero exit is an ordinary result. On timeout or cancellation the command's whole
         process tree (including anything it daemonized) is killed.
 
@@ -303,6 +309,7 @@ class BwrapSandbox:
                     cgroup_procs=self.cgroup.procs_files(group),
                     enter={"uid": user.uid, "gid": user.gid, "groups": [user.gid, *user.groups]},
                     enter_pidfd=booted.init_fd,
+                    max_file_bytes=max_file_bytes,
                 )
             except OSError as e:
                 if booted.process.returncode is not None or not booted.alive():

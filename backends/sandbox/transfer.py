@@ -131,6 +131,9 @@ def safe_extract(archive: BinaryIO, dest: Path, *, rename_single: str | None = N
             tar.extract(member, root, filter=check)
             if rename_single is not None:
                 break
+    # A link checked while a name it goes through did not exist yet can point elsewhere once
+    # a later member creates that name: check every link again in the finished tree.
+    dropped += _drop_escaping_links(root)
     if dropped:
         log.warning(
             "download into %s skipped %d symlink(s) pointing outside it: %s",
@@ -138,3 +141,19 @@ def safe_extract(archive: BinaryIO, dest: Path, *, rename_single: str | None = N
             len(dropped),
             ", ".join(dropped[:20]),
         )
+
+
+def _drop_escaping_links(root: str) -> list[str]:
+    """Remove symlinks under root that resolve outside it, until none does."""
+    dropped: list[str] = []
+    while True:
+        removed = False
+        for top, dirs, files in os.walk(root):
+            for name in (*dirs, *files):
+                path = os.path.join(top, name)
+                if os.path.islink(path) and not _inside(root, os.path.realpath(path)):
+                    dropped.append(f"{os.path.relpath(path, root)} -> {os.readlink(path)}")
+                    os.unlink(path)
+                    removed = True
+        if not removed:
+            return dropped

@@ -451,3 +451,35 @@ async def test_root_inside_cannot_end_the_sandbox(provider: Provider, tmp_path: 
         assert (await env.exec("echo alive")).stdout == "alive\n"
     finally:
         await env.stop(delete=True)
+
+
+async def test_downloads_are_bounded(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, storage_mb=64, kwargs={"max_download_bytes": 8 * 1024 * 1024})
+    await env.start(force_build=False)
+    try:
+        # A sparse file far beyond the disk limit travels as what it holds, not its size.
+        await env.exec("truncate -s 2G /logs/agent/sparse && echo end >> /logs/agent/sparse")
+        await env.download_dir("/logs/agent", tmp_path / "agent")
+        got = tmp_path / "agent" / "sparse"
+        assert got.stat().st_size == 2 * 1024**3 + 4 and got.stat().st_blocks * 512 < 2**24
+        # Real data past the cap is refused; nothing is left half-written to trust.
+        await env.exec("head -c 20000000 /dev/urandom > /logs/agent/big")
+        with pytest.raises(OSError, match="larger than 8388608 bytes"):
+            await env.download_file("/logs/agent/big", tmp_path / "big")
+        assert not (tmp_path / "big").exists()
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_dev_is_not_spare_storage(provider: Provider, tmp_path: Path) -> None:
+    env = provider.make(tmp_path, storage_mb=64, kwargs={"shm_size_mb": 16})
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("echo x > /dev/stash; echo rc=$?")
+        assert "rc=1" in res.stdout and "Read-only file system" in res.stderr
+        res = await env.exec("head -c 32000000 /dev/zero > /dev/shm/big")
+        assert res.return_code != 0 and "No space left on device" in res.stderr
+        res = await env.exec("rm /dev/shm/big; head -c 1000000 /dev/zero > /dev/shm/small")
+        assert res.return_code == 0  # shared memory itself still works
+    finally:
+        await env.stop(delete=True)
