@@ -23,11 +23,13 @@ from backends.rollout.errors import (
     RolloutValidationError,
     VerifierError,
     classify,
+    must_propagate,
+    user_code_failure,
 )
 from backends.rollout.loading import load_object
 from backends.rollout.normalize import sample_from_output
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
-from backends.rollout.sample import RolloutSample, json_copy
+from backends.rollout.sample import RolloutSample, json_copy, sample_problem
 from backends.rollout.workflow import AgentWorkflow, Grader
 
 
@@ -80,15 +82,12 @@ class LocalBackend:
         self._in_flight[rid] = entry
         try:
             with entry.scope:
-                return await self._execute(request, entry)
-            return RolloutResult.failed(
-                rid,
-                RolloutFailure(
-                    category=ErrorCategory.CANCELLED,
-                    phase=Phase.GRADING if entry.status is RolloutStatus.GRADING else Phase.AGENT,
-                    message="rollout cancelled",
-                ),
-            )
+                result = await self._execute(request, entry)
+                # Code that never reaches a cancellation point (a worker thread, no awaits)
+                # can finish after cancel() answered "cancelled": that answer must hold.
+                if not entry.scope.cancel_called:
+                    return result
+            return _cancelled(rid, entry)
         finally:
             del self._in_flight[rid]
 
@@ -168,15 +167,25 @@ class LocalBackend:
                 )
                 try:
                     sample, info = await self._run_workflow(request, artifacts_dir)
-                except Exception as exc:
-                    return RolloutResult.failed(rid, classify(exc, Phase.AGENT), timings=timings)
+                except BaseException as exc:  # sys.exit or a stray CancelledError too
+                    if must_propagate(exc):
+                        raise
+                    return RolloutResult.failed(
+                        rid, user_code_failure(exc, Phase.AGENT), timings=timings
+                    )
             timings["agent_sec"] = time.monotonic() - started - timings.get("queued_sec", 0.0)
             if agent_scope.cancelled_caught or time.monotonic() >= agent_deadline:
                 return RolloutResult.failed(
                     rid, _timed_out(Phase.AGENT, request.agent_timeout_sec), timings=timings
                 )
             extra = {"workflow_info": info} if info else {}
+            if entry.scope.cancel_called:  # execute() reports it; do not start the grader
+                return _cancelled(rid, entry)
             if not request.grade:
+                problem = sample_problem(sample)
+                if problem:
+                    invalid = classify(RolloutValidationError(problem), Phase.AGENT)
+                    return RolloutResult.failed(rid, invalid, sample, timings=timings)
                 return RolloutResult(
                     rollout_id=rid,
                     status=RolloutStatus.SUCCESS,
@@ -247,14 +256,20 @@ class LocalBackend:
                     artifacts_dir=artifacts_dir,
                 )
                 await grader.grade(ctx)
-            except Exception as exc:
-                return classify(exc, Phase.GRADING)
+            except BaseException as exc:  # sys.exit or a stray CancelledError too
+                if must_propagate(exc):
+                    raise
+                return user_code_failure(exc, Phase.GRADING)
         if scope.cancelled_caught or time.monotonic() >= deadline:
             return _timed_out(Phase.GRADING, request.grader_timeout_sec)
         if sample.reward is None and not sample.remove_sample:
             return classify(
                 VerifierError("the grader finished without calling ctx.set_reward()"), Phase.GRADING
             )
+        # The grader may have set sample.reward or sample.metrics directly, skipping set_reward.
+        problem = sample_problem(sample)
+        if problem:
+            return classify(VerifierError(problem), Phase.GRADING)
         return None
 
 
@@ -281,6 +296,14 @@ def _fresh(config: Any) -> Any:
 
 def _deadline(start: float, timeout: float | None) -> float:
     return math.inf if timeout is None else start + timeout
+
+
+def _cancelled(rid: str, entry: _InFlight) -> RolloutResult:
+    phase = Phase.GRADING if entry.status is RolloutStatus.GRADING else Phase.AGENT
+    failure = RolloutFailure(
+        category=ErrorCategory.CANCELLED, phase=phase, message="rollout cancelled"
+    )
+    return RolloutResult.failed(rid, failure)
 
 
 def _invalid(message: str) -> RolloutFailure:

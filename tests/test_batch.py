@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +155,94 @@ def test_malformed_dataset_lines_are_named(tmp_path: Path, content: str, message
 def test_missing_dataset_is_named(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="does not exist"):
         requests_from_dataset(tmp_path / "nope.jsonl")
+
+
+class StrayCancel(AgentWorkflow[Any]):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
+        if (ctx.metadata or {}).get("stray"):
+            future = asyncio.get_running_loop().create_future()
+            future.cancel()
+            await future  # a CancelledError that is no cancellation of this rollout
+        return [*ctx.prompt, {"role": "assistant", "content": "ok"}]
+
+
+async def test_a_stray_cancelled_error_never_makes_a_row_vanish(tmp_path: Path) -> None:
+    backend = LocalBackend(workflow=StrayCancel, grader=Match, artifacts_root=tmp_path)
+    requests = [req("a"), req("stray", stray=True), req("b")]
+    with anyio.fail_after(5):
+        results = {r.rollout_id: r for r in await collect(backend, requests)}
+    assert set(results) == {"a", "stray", "b"}
+    assert results["stray"].err_category is ErrorCategory.AGENT_ERROR
+    assert results["a"].reward == 1.0 and results["b"].reward == 1.0
+
+
+class BaseRaising:
+    """A backend that breaks its contract with a BaseException."""
+
+    async def execute(self, request: RolloutRequest) -> RolloutResult:
+        if request.rollout_id == "cancel":
+            raise asyncio.CancelledError()
+        if request.rollout_id == "exit":
+            sys.exit(1)
+        return RolloutResult(rollout_id=request.rollout_id, status=RolloutStatus.SUCCESS)
+
+
+async def test_a_backend_raising_cancelled_or_exit_still_yields_a_result() -> None:
+    with anyio.fail_after(5):
+        results = await collect(BaseRaising(), [req("cancel"), req("exit"), req("fine")])  # type: ignore[arg-type]
+    by_id = {r.rollout_id: r for r in results}
+    assert by_id["cancel"].err_category is ErrorCategory.INTERNAL_ERROR
+    assert by_id["exit"].err_category is ErrorCategory.INTERNAL_ERROR
+    assert by_id["fine"].status is RolloutStatus.SUCCESS
+
+
+class Counting(AgentWorkflow[Any]):
+    started = 0
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> Any:
+        Counting.started += 1
+        return [*ctx.prompt, {"role": "assistant", "content": "ok"}]
+
+
+async def test_a_slow_consumer_bounds_pending_work_and_may_leave_early(tmp_path: Path) -> None:
+    Counting.started = 0
+    backend = LocalBackend(workflow=Counting, grader=Match, artifacts_root=None)
+    requests = [req(f"r{i}") for i in range(2000)]
+    consumed = 0
+    with anyio.fail_after(10):
+        async with run_batch(backend, requests, max_in_flight=4) as results:
+            async for _ in results:
+                consumed += 1
+                await anyio.sleep(0.005)  # a slow consumer: writing files, a trainer step
+                assert Counting.started <= consumed + 4
+                if consumed == 10:
+                    break  # leaving early is supported: no BrokenResourceError
+    assert backend.health()["in_flight"] == 0
+
+
+def broken_requests() -> Any:
+    for i in range(3):
+        yield req(f"ok{i}")
+    raise ValueError("bad row 3")
+
+
+async def test_a_failing_requests_iterable_keeps_started_rollouts_and_raises_unwrapped(
+    tmp_path: Path,
+) -> None:
+    backend = LocalBackend(workflow=Echo, grader=Match, artifacts_root=tmp_path)
+    got: list[str] = []
+    with anyio.fail_after(5), pytest.raises(ValueError, match="bad row 3"):
+        async with run_batch(backend, broken_requests(), max_in_flight=2) as results:
+            async for result in results:
+                got.append(result.rollout_id)
+    assert sorted(got) == ["ok0", "ok1", "ok2"]
+    assert backend.health()["in_flight"] == 0
+
+
+async def test_a_consumer_error_comes_back_unwrapped(tmp_path: Path) -> None:
+    backend = LocalBackend(workflow=Echo, grader=Match, artifacts_root=tmp_path)
+    with anyio.fail_after(5), pytest.raises(OSError, match="No space"):
+        async with run_batch(backend, [req(f"r{i}", sleep=0.01 * i) for i in range(4)]) as results:
+            async for _ in results:
+                raise OSError(28, "No space left on device")
+    assert backend.health()["in_flight"] == 0

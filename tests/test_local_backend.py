@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -437,3 +440,172 @@ def test_classes_load_from_strings_and_bad_references_are_named(tmp_path: Path) 
         LocalBackend(workflow="no_such_module:W")
     with pytest.raises(TypeError, match="subclass of AgentWorkflow"):
         LocalBackend(workflow="backends:Grader")
+
+
+# -- cancellation that user code never notices, stray CancelledError, sys.exit ------------------
+
+
+class ThreadWorkflow(AgentWorkflow[AgentWorkflowConfig]):
+    async def run(self, ctx: AgentWorkflowContext[AgentWorkflowConfig]) -> Any:
+        if (ctx.metadata or {}).get("thread"):
+            # A worker thread is not a cancellation point: cancel() cannot stop it.
+            await anyio.to_thread.run_sync(time.sleep, 0.3)
+        return answer(ctx)
+
+
+class ThreadGrader(Grader):
+    calls = 0
+
+    async def grade(self, ctx: GraderContext) -> None:
+        ThreadGrader.calls += 1
+        if ctx.metadata and ctx.metadata.get("grader_thread"):
+            await anyio.to_thread.run_sync(time.sleep, 0.3)
+        ctx.set_reward(1.0)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "status", "phase", "graded"),
+    [
+        ({"thread": True}, RolloutStatus.RUNNING, Phase.AGENT, 0),
+        ({"grader_thread": True}, RolloutStatus.GRADING, Phase.GRADING, 1),
+    ],
+)
+async def test_cancel_holds_even_when_user_code_never_reaches_a_cancellation_point(
+    metadata: dict[str, Any], status: RolloutStatus, phase: Phase, graded: int, tmp_path: Path
+) -> None:
+    ThreadGrader.calls = 0
+    backend = LocalBackend(workflow=ThreadWorkflow, grader=ThreadGrader, artifacts_root=tmp_path)
+    results: list[RolloutResult] = []
+
+    async def one() -> None:
+        results.append(await backend.execute(request("t", metadata=metadata)))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one)
+            while backend.status("t") is not status:
+                await anyio.sleep(0.01)
+            assert backend.cancel(ids=["t"]) == {"t": CancelDisposition.CANCELLED_RUNNING}
+    assert results[0].status is RolloutStatus.CANCELLED
+    assert results[0].reward is None
+    assert results[0].failure is not None and results[0].failure.phase is phase
+    assert ThreadGrader.calls == graded  # cancelled before grading: the grader never starts
+
+
+class StrayCancelWorkflow(AgentWorkflow[AgentWorkflowConfig]):
+    async def run(self, ctx: AgentWorkflowContext[AgentWorkflowConfig]) -> Any:
+        # Awaiting a future that something else cancelled: nobody cancelled this rollout.
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future
+
+
+class StrayCancelGrader(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        raise asyncio.CancelledError()
+
+
+class ExitWorkflow(AgentWorkflow[AgentWorkflowConfig]):
+    async def run(self, ctx: AgentWorkflowContext[AgentWorkflowConfig]) -> Any:
+        sys.exit(3)
+
+
+class ExitGrader(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        sys.exit("bye")
+
+
+@pytest.mark.parametrize(
+    ("workflow", "grader", "category", "phase", "message"),
+    [
+        (StrayCancelWorkflow, ExactMatch, ErrorCategory.AGENT_ERROR, Phase.AGENT, "CancelledError"),
+        (
+            ListWorkflow,
+            StrayCancelGrader,
+            ErrorCategory.VERIFIER_ERROR,
+            Phase.GRADING,
+            "CancelledError",
+        ),
+        (ExitWorkflow, ExactMatch, ErrorCategory.AGENT_ERROR, Phase.AGENT, "sys.exit(3)"),
+        (ListWorkflow, ExitGrader, ErrorCategory.VERIFIER_ERROR, Phase.GRADING, "sys.exit('bye')"),
+    ],
+)
+async def test_stray_cancellation_and_sys_exit_are_the_user_codes_failure(
+    workflow: type,
+    grader: type,
+    category: ErrorCategory,
+    phase: Phase,
+    message: str,
+    tmp_path: Path,
+) -> None:
+    backend = LocalBackend(workflow=workflow, grader=grader, artifacts_root=tmp_path)
+    with anyio.fail_after(5):
+        result = await run_one(backend)
+    assert result.status is RolloutStatus.FAILURE and result.reward is None
+    assert result.failure is not None
+    assert (result.failure.category, result.failure.phase) == (category, phase)
+    assert message in result.failure.message
+    assert backend.status("r1") is None
+
+
+async def test_caller_cancellation_still_propagates(tmp_path: Path) -> None:
+    backend = LocalBackend(workflow=Sleeper, grader=ExactMatch, artifacts_root=tmp_path)
+    with anyio.move_on_after(0.05) as scope:
+        await backend.execute(request("c", metadata={"sleep": 30}))
+    assert scope.cancelled_caught
+    assert backend.status("c") is None
+
+
+class DirectGrader(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        assert ctx.sample is not None and ctx.metadata is not None
+        if "metric" in ctx.metadata:
+            ctx.sample.metrics["acc"] = ctx.metadata["metric"]  # in place: no validator sees it
+            ctx.set_reward(1.0)
+        else:
+            ctx.sample.reward = ctx.metadata["reward"]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"metric": math.nan}, "metrics['acc'] must be a finite number"),
+        ({"metric": math.inf}, "metrics['acc'] must be a finite number"),
+        ({"metric": "high"}, "metrics['acc'] must be a finite number"),
+        ({"reward": True}, "reward must be a number"),
+        ({"reward": "1e308"}, "reward must be a number"),
+    ],
+)
+async def test_bad_reward_or_metrics_set_directly_are_a_verifier_error(
+    metadata: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    backend = LocalBackend(workflow=OutputWorkflow, grader=DirectGrader, artifacts_root=tmp_path)
+    result = await run_one(backend, request(metadata=metadata))
+    assert result.status is RolloutStatus.FAILURE and result.reward is None
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.VERIFIER_ERROR
+    assert result.failure.phase is Phase.GRADING
+    assert message in result.failure.message
+
+
+class _NanMetrics(SampleSource):
+    async def get_sample(self) -> RolloutSample:
+        sample = RolloutSample(messages=[{"role": "assistant", "content": "42"}])
+        sample.metrics["loss"] = math.nan  # in place: no validator sees it
+        return sample
+
+
+class NanMetricsWorkflow(AgentWorkflow[AgentWorkflowConfig]):
+    async def run(self, ctx: AgentWorkflowContext[AgentWorkflowConfig]) -> None:
+        context = get_rollout_context()
+        assert context is not None
+        context.set_sample_source(_NanMetrics())
+
+
+async def test_bad_workflow_metrics_fail_an_ungraded_rollout(tmp_path: Path) -> None:
+    backend = LocalBackend(workflow=NanMetricsWorkflow, artifacts_root=tmp_path)
+    result = await run_one(backend, request(grade=False))
+    assert result.status is RolloutStatus.FAILURE
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.VALIDATION_ERROR
+    assert "metrics['loss'] must be a finite number" in result.failure.message

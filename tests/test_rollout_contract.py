@@ -137,3 +137,14 @@ def test_classify_recognises_policy_endpoint_failures() -> None:
         "bad", response=httpx.Response(400, request=request), body=None
     )
     assert classify(bad_request, Phase.AGENT).category is ErrorCategory.AGENT_ERROR
+
+
+@pytest.mark.parametrize("bad", [True, "1.0", "1e308"])
+def test_sample_reward_refuses_bools_and_strings(bad: object) -> None:
+    # Lax validation used to turn True into 1.0 and "1e308" into a float.
+    with pytest.raises(ValidationError, match="reward must be a number"):
+        RolloutSample(reward=bad)
+    sample = RolloutSample()
+    with pytest.raises(ValidationError, match="reward must be a number"):
+        sample.reward = bad  # type: ignore[assignment]
+    assert RolloutSample(reward=1).reward == 1.0

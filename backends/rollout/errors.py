@@ -6,9 +6,11 @@ rollout runs into the ``RolloutFailure`` its result carries.
 
 from __future__ import annotations
 
+import asyncio
 from enum import StrEnum
 from typing import ClassVar
 
+import anyio
 from pydantic import BaseModel
 
 
@@ -135,3 +137,40 @@ def _is_policy_failure(exc: BaseException) -> bool:
         return True
     status = getattr(exc, "status_code", None)
     return isinstance(status, int) and status >= 500
+
+
+def is_caller_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is the runtime's cancellation of the running task (so it must propagate).
+
+    A ``CancelledError`` that user code raises or re-raises on its own (awaiting a future that
+    something else cancelled, say) is not: on asyncio a real cancellation leaves
+    ``current_task().cancelling()`` above zero. Trio's ``Cancelled`` cannot be raised by hand.
+    """
+    cancelled = anyio.get_cancelled_exc_class()
+    if not isinstance(exc, cancelled):
+        return False
+    if cancelled is not asyncio.CancelledError:  # trio
+        return True
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+def must_propagate(exc: BaseException) -> bool:
+    """Exceptions user code must not turn into a failed result: a real cancellation, Ctrl-C."""
+    if isinstance(exc, BaseExceptionGroup):
+        return any(must_propagate(e) for e in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt) or is_caller_cancellation(exc)
+
+
+def user_code_failure(exc: BaseException, phase: Phase) -> RolloutFailure:
+    """``classify`` for anything the workflow or grader raised that ``must_propagate`` lets through."""
+    who = "grader" if phase is Phase.GRADING else "workflow"
+    category = ErrorCategory.VERIFIER_ERROR if phase is Phase.GRADING else ErrorCategory.AGENT_ERROR
+    if isinstance(exc, SystemExit):
+        message = f"the {who} called sys.exit({exc.code!r}); it must return or raise instead"
+        return RolloutFailure(category=category, phase=phase, message=message)
+    if not isinstance(exc, Exception):
+        # A stray CancelledError (nobody cancelled this rollout) or another BaseException.
+        message = f"the {who} raised {describe(exc)} although the rollout was not cancelled"
+        return RolloutFailure(category=category, phase=phase, message=message)
+    return classify(exc, phase)

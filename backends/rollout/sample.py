@@ -104,6 +104,17 @@ class RolloutSample(BaseModel):
     def _messages_are_dicts(cls, value: Any) -> Any:
         return check_messages(value)
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_is_a_number(cls, value: Any) -> Any:
+        # Strict: lax mode would turn True into 1.0 and "1e308" into a float.
+        if value is None:
+            return None
+        try:
+            return check_reward(value)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("trajectory_messages", mode="before")
     @classmethod
     def _trajectory_messages_are_dicts(cls, value: Any) -> Any:
@@ -138,3 +149,20 @@ def check_reward(reward: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"reward must be finite, got {value}")
     return value
+
+
+def sample_problem(sample: RolloutSample) -> str | None:
+    """What is wrong with the sample's reward or metrics, or ``None``.
+
+    Checked when the result is built: ``sample.metrics[...] = nan`` mutates the dict in place,
+    which no validator sees.
+    """
+    if sample.reward is not None:
+        try:
+            check_reward(sample.reward)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+    for key, value in sample.metrics.items():
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return f"metrics[{key!r}] must be a finite number, got {value!r}"
+    return None
