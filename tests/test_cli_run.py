@@ -8,12 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = [sys.executable, "-m", "backends.cli"]
 
 
-def run_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BACKENDS_HOME": str(home), "COLUMNS": "200"}
+def run_cli(
+    *args: str, home: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BACKENDS_HOME": str(home), "COLUMNS": "200", **(env or {})}
     return subprocess.run(
         [*BACKENDS, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
@@ -67,3 +71,164 @@ def test_malformed_dataset_is_named(tmp_path: Path) -> None:
     proc = run_cli("run", "-d", str(bad), home=tmp_path)
     assert proc.returncode == 2
     assert "bad.jsonl:2: not valid JSON" in proc.stderr
+
+
+# A backend for the tests below, loaded from a file the way a user's entrypoint is; TEST_MODE
+# picks its behaviour.
+ENTRYPOINT = """
+import gc, os, weakref
+from backends import AgentWorkflow, Grader, LocalBackend
+
+MODE = os.environ.get("TEST_MODE", "ok")
+KEY = "sk-proj-ABCDEFGHIJKLMNOPQRSTUVWX1234"
+
+
+class W(AgentWorkflow):
+    async def run(self, ctx):
+        if MODE == "fail":
+            raise RuntimeError(f"agent crashed holding {KEY}")
+        if ctx.artifacts_dir:
+            (ctx.artifacts_dir / "old.txt").write_text("from this run")
+        answer = [{"role": "assistant", "content": "42"}]
+        if MODE == "secret":
+            tool = f"OPENAI_API_KEY={KEY} Authorization: Bearer abcdefghijklmnop policy-key-0123456789"
+            return [*ctx.prompt, {"role": "tool", "content": tool}, *answer]
+        return [*ctx.prompt, *answer]
+
+
+class G(Grader):
+    async def grade(self, ctx):
+        ctx.set_reward(1.0)
+
+
+class Backend(LocalBackend):
+    held = []
+
+    async def execute(self, request):
+        if MODE == "memory":
+            # Rollouts run one at a time: every earlier result should be gone by now.
+            gc.collect()
+            alive = sum(ref() is not None for ref in self.held)
+            if alive > 3:
+                raise RuntimeError(f"the CLI still holds {alive} earlier results")
+        result = await super().execute(request)
+        if MODE == "memory" and result.sample is not None:
+            self.held.append(weakref.ref(result.sample))
+        if MODE == "lose" and request.rollout_id == "row-1-0":
+            result = result.model_copy(update={"rollout_id": "stray"})  # row-1-0 never arrives
+        return result
+
+
+backend = Backend(workflow=W, grader=G)
+"""
+
+
+def entrypoint(tmp_path: Path) -> str:
+    path = tmp_path / "entry.py"
+    path.write_text(ENTRYPOINT)
+    return f"{path}:backend"
+
+
+def two_rows(tmp_path: Path) -> Path:
+    data = tmp_path / "two.jsonl"
+    data.write_text('{"user_prompt": "a", "ground_truth": "42"}\n' * 2)
+    return data
+
+
+def test_a_request_without_a_result_fails_the_run(tmp_path: Path) -> None:
+    proc = run_cli(
+        "run", entrypoint(tmp_path), "-d", str(two_rows(tmp_path)),
+        home=tmp_path, env={"TEST_MODE": "lose"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 of 2 rollouts returned no result: row-1-0" in proc.stderr
+
+
+def test_an_empty_dataset_is_bad_input(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    proc = run_cli("run", "-d", str(empty), home=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "empty.jsonl has no rows" in proc.stderr
+
+
+def test_results_are_not_kept_until_the_end(tmp_path: Path) -> None:
+    proc = run_cli(
+        "run", entrypoint(tmp_path), "--max-in-flight", "1", "-o", str(tmp_path / "out.jsonl"),
+        home=tmp_path, env={"TEST_MODE": "memory"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 12
+
+
+def test_secrets_are_redacted_in_output_files_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    ep = entrypoint(tmp_path)
+    proc = run_cli(
+        "run", ep, "-d", str(two_rows(tmp_path)), "-o", str(out),
+        # The workflow never calls the policy: nothing listens there.
+        "--policy-url", "http://alice:hunter2pass@127.0.0.1:9/v1",
+        "--policy-key", "policy-key-0123456789",
+        home=tmp_path, env={"TEST_MODE": "secret"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trajectory = (tmp_path / "rollouts/row-0-0/trajectory.json").read_text()
+    planted = ["hunter2pass", "sk-proj-", "abcdefghijklmnop", "policy-key-0123456789"]
+    for text in (proc.stdout + proc.stderr, trajectory, out.read_text()):
+        assert not [s for s in planted if s in text], text
+    assert "OPENAI_API_KEY=[REDACTED]" in trajectory
+    # Failure messages, in the table and the results file.
+    proc = run_cli(
+        "run", ep, "-d", str(two_rows(tmp_path)), "-o", str(out),
+        home=tmp_path, env={"TEST_MODE": "fail"},
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "agent crashed holding [REDACTED]" in proc.stdout
+    assert "sk-proj-" not in proc.stdout + proc.stderr + out.read_text()
+
+
+def test_a_rerun_leaves_no_stale_files_of_the_previous_run(tmp_path: Path) -> None:
+    ep, data = entrypoint(tmp_path), two_rows(tmp_path)
+    proc = run_cli("run", ep, "-d", str(data), home=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rollout = tmp_path / "rollouts" / "row-0-0"
+    assert (rollout / "trajectory.json").exists() and (rollout / "artifacts/old.txt").exists()
+    proc = run_cli("run", ep, "-d", str(data), home=tmp_path, env={"TEST_MODE": "fail"})
+    assert proc.returncode == 1
+    # This run has no sample: no trajectory, no artifacts, rather than the last run's.
+    assert not (rollout / "trajectory.json").exists()
+    assert not (rollout / "artifacts/old.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b'{"user_prompt": "ok"}\n{"user_prompt": "caf\xe9"}\n', "bad.jsonl:2: not UTF-8 text"),
+        (b'{"user_prompt": ["hi"]}\n', "bad.jsonl:1: user_prompt: Input should be a valid string"),
+        (b'{"user_prompt": "hi", "metadata": "x"}\n', "bad.jsonl:1: metadata: Input should be"),
+    ],
+)
+def test_bad_dataset_rows_are_named(tmp_path: Path, content: bytes, expected: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    proc = run_cli("run", "-d", str(bad), home=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in " ".join(proc.stderr.split())  # rich may wrap the message
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "rollouts").exists()  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--agent-timeout", "inf"], "--agent-timeout"),
+        (["--grader-timeout", "nan"], "--grader-timeout"),
+        (["-o", "no/such/dir/out.jsonl"], "--output"),
+    ],
+)
+def test_bad_options_are_named(tmp_path: Path, args: list[str], expected: str) -> None:
+    proc = run_cli("run", *args, home=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "rollouts").exists()

@@ -15,10 +15,17 @@ from harbor.models.trajectories import Metrics
 from harbor.utils.trajectory_validator import TrajectoryValidator
 from server_support import make_backend, rollout_body, serve_in_process
 
+from backends.rollout.artifacts import make_artifacts_dir
 from backends.rollout.request import RolloutResult, RolloutStatus
 from backends.rollout.sample import RolloutSample
 from backends.server import LEASE_HEADER, create_rollout_server
-from backends.trajectory import Redactor, TrajectoryWriter, build_preview, to_trajectory
+from backends.trajectory import (
+    Redactor,
+    TrajectoryWriter,
+    build_preview,
+    save_trajectory,
+    to_trajectory,
+)
 from backends.trajectory.preview import MAX_PREVIEW_BYTES, MAX_STRING_CHARS
 
 KEY = "sk-test-key-0123456789abcdef"
@@ -151,6 +158,50 @@ def test_redactor_scrubs_credentials_but_not_token_counts() -> None:
         "token_ids": [1],
     }
     assert Redactor(["short"]).text("short words stay") == "short words stay"
+
+
+def test_redactor_keeps_the_sampled_token_of_a_logprobs_entry() -> None:
+    entry = {"token": "hello", "logprob": -0.1, "bytes": [104]}
+    assert Redactor().value({"content": [entry]}) == {"content": [entry]}
+    assert Redactor().value({"token": "hunter2hunter2"}) == {"token": "[REDACTED]"}
+
+
+def test_saved_trajectory_scrubs_known_key_shapes_not_just_given_secrets(tmp_path: Path) -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "tool", "content": "OPENAI_API_KEY=sk-proj-ABCDEFGHIJKLMNOPQRSTUVWX1234"},
+        {"role": "tool", "content": f"Authorization: Bearer abcdefghijklmnop; key {KEY}"},
+        {"role": "assistant", "content": "done"},
+    ]
+    sample = RolloutSample(messages=messages, trajectory_messages=messages)
+    result = RolloutResult(rollout_id="s1", status=RolloutStatus.SUCCESS, sample=sample)
+    path = save_trajectory(tmp_path, result, secrets=[KEY])
+    assert path is not None
+    text = path.read_text()
+    for secret in ["sk-proj-", "abcdefghijklmnop", KEY]:
+        assert secret not in text
+    valid(json.loads(text))
+
+
+def test_a_rerun_without_a_sample_removes_the_old_trajectory(tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]
+    sample = RolloutSample(messages=messages, trajectory_messages=messages)
+    ok = RolloutResult(rollout_id="s1", status=RolloutStatus.SUCCESS, sample=sample)
+    path = save_trajectory(tmp_path, ok)
+    assert path is not None and path.exists()
+    failed = RolloutResult(rollout_id="s1", status=RolloutStatus.FAILURE)
+    assert save_trajectory(tmp_path, failed) is None
+    assert not path.exists()
+
+
+def test_artifacts_dir_starts_empty_on_a_rerun(tmp_path: Path) -> None:
+    first = make_artifacts_dir(tmp_path, "r1")
+    assert first is not None
+    (first / "old.txt").write_text("previous run")
+    (first.parent / "trajectory.json").write_text("{}")
+    again = make_artifacts_dir(tmp_path, "r1")
+    assert again == first and list(again.iterdir()) == []
+    assert not (first.parent / "trajectory.json").exists()
 
 
 def test_preview_keeps_the_latest_100_steps_redacted_and_bounded() -> None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
+from urllib.parse import urlsplit
 
 import anyio
 import typer
@@ -23,8 +27,9 @@ from backends.rollout.backend import ExecutionBackend
 from backends.rollout.batch import run_batch
 from backends.rollout.dataset import DatasetError, requests_from_dataset
 from backends.rollout.loading import EntrypointError, load_object
-from backends.rollout.request import RolloutResult
-from backends.trajectory import save_trajectory
+from backends.rollout.request import RolloutRequest, RolloutResult
+from backends.rollout.sample import utf8_json_text
+from backends.trajectory import Redactor, redact_text, save_trajectory
 
 REPO_TASKS = Path(__file__).resolve().parents[2] / "tasks"
 DEFAULT_ENTRYPOINT = str(REPO_TASKS / "rollouts" / "arithmetic" / "main.py") + ":backend"
@@ -74,21 +79,52 @@ def run_command(
         raise typer.BadParameter(
             f"{entrypoint} is a {type(backend).__name__}, not a backend", param_hint="ENTRYPOINT"
         )
+    # Bad input is reported (exit 2) before any rollout starts.
+    for hint, timeout in (("--agent-timeout", agent_timeout), ("--grader-timeout", grader_timeout)):
+        if timeout is not None and not math.isfinite(timeout):
+            raise typer.BadParameter(
+                f"{timeout} is not a finite number of seconds", param_hint=hint
+            )
+    try:
+        requests = requests_from_dataset(
+            dataset,
+            n_samples=samples,
+            agent_timeout_sec=agent_timeout,
+            grader_timeout_sec=grader_timeout,
+        )
+    except DatasetError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--dataset") from None
+    if not requests:
+        raise typer.BadParameter(f"{dataset} has no rows", param_hint="--dataset")
     options = _Options(
         dataset=dataset,
         policy_url=policy_url,
         policy_key=policy_key,
-        samples=samples,
         max_in_flight=max_in_flight,
-        agent_timeout=agent_timeout,
-        grader_timeout=grader_timeout,
-        output=output,
         token_ids=token_ids if token_ids is not None else policy_url is None,
     )
     try:
-        ok = anyio.run(_run, backend, options)
-    except DatasetError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--dataset") from None
+        # Binary: rows are written as UTF-8 bytes that never fail to encode.
+        sink = output.open("wb") if output else None
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot write {output}: {exc.strerror or exc}", param_hint="--output"
+        ) from None
+    try:
+        rows = anyio.run(_run, backend, options, requests, sink)
+    finally:
+        if sink:
+            sink.close()
+    missing = [r.rollout_id for r in requests if r.rollout_id not in rows]
+    if missing:
+        # A rollout without a result is a failure too, never a silent gap in the table.
+        print(
+            f"error: {len(missing)} of {len(requests)} rollouts returned no result: "
+            + ", ".join(missing[:10])
+            + (" ..." if len(missing) > 10 else ""),
+            file=sys.stderr,
+        )
+    ok = not missing and all(row.failure_category is None for row in rows.values())
     raise typer.Exit(0 if ok else 1)
 
 
@@ -97,22 +133,57 @@ class _Options:
     dataset: Path
     policy_url: str | None
     policy_key: str | None
-    samples: int
     max_in_flight: int
-    agent_timeout: float | None
-    grader_timeout: float | None
-    output: Path | None
     token_ids: bool
 
+    def secrets(self) -> list[str | None]:
+        """The policy key and any credentials in the policy URL: replaced wherever they appear."""
+        parts = urlsplit(self.policy_url) if self.policy_url else None
+        return [self.policy_key, parts and parts.username, parts and parts.password]
 
-async def _run(backend: ExecutionBackend, options: _Options) -> bool:
-    requests = requests_from_dataset(
-        options.dataset,
-        n_samples=options.samples,
-        agent_timeout_sec=options.agent_timeout,
-        grader_timeout_sec=options.grader_timeout,
+
+@dataclass(frozen=True)
+class _Row:
+    """What the table and summary need of a result: the full result (policy traces, token ids
+    and logprobs) goes to the output file as it arrives and is not kept."""
+
+    rollout_id: str
+    status: str
+    reward: float | None
+    policy_calls: int
+    answer: str
+    failure_category: str | None
+    failure: str
+
+
+def _row(result: RolloutResult, redactor: Redactor) -> _Row:
+    trace = result.extra_fields.get(TRACE_FIELD) or {}
+    answer = ""
+    if result.sample and result.sample.messages:
+        answer = redactor.text(str(result.sample.messages[-1].get("content") or ""))[:40]
+    failure = result.failure
+    return _Row(
+        rollout_id=result.rollout_id,
+        status=str(result.status),
+        reward=result.reward,
+        policy_calls=len(trace.get("calls", [])),
+        answer=answer,
+        failure_category=str(failure.category) if failure else None,
+        failure=f"{failure.category}: {redactor.text(failure.message)[:60]}" if failure else "",
     )
+
+
+async def _run(
+    backend: ExecutionBackend,
+    options: _Options,
+    requests: list[RolloutRequest],
+    sink: IO[bytes] | None,
+) -> dict[str, _Row]:
+    """Run the batch; return a compact row per result that arrived, by rollout id."""
     trajectories = getattr(backend, "artifacts_root", None) or default_rollout_root()
+    secrets = options.secrets()
+    redactor = Redactor(secrets)
+    rows: dict[str, _Row] = {}
     # Every policy call goes through the relay, which holds the endpoint's key and records
     # each call (token ids and logprobs included) against its rollout.
     async with (
@@ -123,27 +194,28 @@ async def _run(backend: ExecutionBackend, options: _Options) -> bool:
             request_token_ids=options.token_ids,
         ) as relay,
     ):
-        label = "scripted policy (no model)" if scripted else base_url
+        label = "scripted policy (no model)" if scripted else redact_text(base_url, secrets)
         console.print(f"[bold]{len(requests)}[/] rollouts from {options.dataset} against {label}")
         relayed = RelayedBackend(backend, relay)
-        results: list[RolloutResult] = []
-        sink = options.output.open("w", encoding="utf-8") if options.output else None
         try:
             async with run_batch(relayed, requests, max_in_flight=options.max_in_flight) as stream:
                 async for result in stream:
-                    results.append(result)
+                    rows[result.rollout_id] = _row(result, redactor)
                     # ATIF trajectory.json beside the artifacts, with the policy's token ids.
-                    await anyio.to_thread.run_sync(save_trajectory, trajectories, result)
+                    await anyio.to_thread.run_sync(
+                        partial(save_trajectory, trajectories, result, secrets=secrets)
+                    )
                     if sink:
-                        sink.write(result.model_dump_json() + "\n")
+                        # Secrets scrubbed as in trajectory.json (the policy trace included).
+                        data = redactor.value(json.loads(result.model_dump_json()))
+                        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+                        sink.write(utf8_json_text(text)[1] + b"\n")
                         sink.flush()
         finally:
-            if sink:
-                sink.close()
             await backend.aclose()
     console.print(f"trajectories and artifacts: {trajectories}/<rollout id>/")
-    _report(results, {r.rollout_id: i for i, r in enumerate(requests)}, scripted)
-    return all(r.failure is None for r in results)
+    _report([rows[r.rollout_id] for r in requests if r.rollout_id in rows], scripted)
+    return rows
 
 
 @asynccontextmanager
@@ -156,37 +228,28 @@ async def _policy(url: str | None) -> AsyncIterator[tuple[str, bool]]:
         yield policy.base_url, True
 
 
-def _report(results: list[RolloutResult], order: dict[str, int], scripted: bool) -> None:
-    results.sort(key=lambda r: order.get(r.rollout_id, len(order)))
+def _report(rows: list[_Row], scripted: bool) -> None:
     table = Table(title="rollouts" + (" (policy answers are scripted)" if scripted else ""))
     for column in ("rollout", "status", "reward", "policy calls", "answer", "failure"):
         table.add_column(column)
-    calls = 0
-    for result in results:
-        trace = result.extra_fields.get(TRACE_FIELD) or {}
-        n_calls = len(trace.get("calls", []))
-        calls += n_calls
-        answer = ""
-        if result.sample and result.sample.messages:
-            answer = str(result.sample.messages[-1].get("content") or "")[:40]
-        failure = (
-            f"{result.failure.category}: {result.failure.message[:60]}" if result.failure else ""
+    for row in rows:
+        reward = "-" if row.reward is None else f"{row.reward:g}"
+        table.add_row(
+            row.rollout_id, row.status, reward, str(row.policy_calls), row.answer, row.failure
         )
-        reward = "-" if result.reward is None else f"{result.reward:g}"
-        table.add_row(result.rollout_id, result.status, reward, str(n_calls), answer, failure)
     console.print(table)
-    rewards = [r.reward for r in results if r.reward is not None]
-    failures = Counter(str(r.failure.category) for r in results if r.failure)
+    rewards = [r.reward for r in rows if r.reward is not None]
+    failures = Counter(r.failure_category for r in rows if r.failure_category)
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
     # One machine-readable summary line, never wrapped.
     print(
         json.dumps(
             {
-                "rollouts": len(results),
+                "rollouts": len(rows),
                 "graded": len(rewards),
                 "mean_reward": round(mean, 4) if rewards else None,
                 "failures": dict(failures),
-                "policy_calls": calls,
+                "policy_calls": sum(r.policy_calls for r in rows),
             }
         )
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from backends.rollout.request import check_rollout_id
@@ -24,7 +25,10 @@ def rollout_dir(root: Path, rollout_id: str) -> Path:
 
 
 def make_artifacts_dir(root: Path | None, rollout_id: str) -> Path | None:
-    """Create the rollout's artifacts directory; ``None`` when it cannot be made writable.
+    """Create the rollout's artifacts directory, empty; ``None`` when it cannot be made writable.
+
+    A directory left by an earlier run of the same rollout id is removed first: otherwise its
+    artifacts and trajectory.json would sit beside this run's results looking current.
 
     Workflows are told to check for ``None``, so a full or read-only disk costs the
     rollout its artifacts, not its result.
@@ -39,8 +43,9 @@ def make_artifacts_dir(root: Path | None, rollout_id: str) -> Path | None:
             os.mkdir(path)
         except FileNotFoundError:  # the root itself is new
             os.makedirs(path, exist_ok=True)
-        except FileExistsError:
-            os.makedirs(path, exist_ok=True)
+        except FileExistsError:  # a previous run's files: start this run from nothing
+            shutil.rmtree(folder)
+            os.makedirs(path)
     except OSError as exc:
         log.warning("no artifacts directory for rollout %s: %s", rollout_id, exc)
         return None

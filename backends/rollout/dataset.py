@@ -45,8 +45,16 @@ def read_rows(path: Path) -> Iterator[tuple[int, DatasetRow]]:
     """Yield ``(line_number, row)``; a malformed line raises ``DatasetError`` naming it."""
     if not path.is_file():
         raise DatasetError(f"dataset {path} does not exist")
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    # Bytes, decoded line by line, so that a bad encoding is reported with its line number.
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x} "
+                    f"at column {exc.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -58,7 +66,10 @@ def read_rows(path: Path) -> Iterator[tuple[int, DatasetRow]]:
             try:
                 row = DatasetRow.model_validate(data)
             except ValidationError as exc:
-                raise DatasetError(f"{path}:{number}: {exc.errors()[0]['msg']}") from None
+                error = exc.errors()[0]
+                # The column, not the union member pydantic tried last ("ground_truth", not ".str").
+                field = error["loc"][0] if error["loc"] else "row"
+                raise DatasetError(f"{path}:{number}: {field}: {error['msg']}") from None
             if not row.user_prompt and not row.metadata:
                 raise DatasetError(f"{path}:{number}: a row needs user_prompt or metadata")
             yield number, row

@@ -4,8 +4,8 @@ What is replaced: the exact secrets we were given (the rollout's LLM API key), `
 ``Basic`` authorization values, credentials in URL userinfo (``https://user:pass@host``),
 ``key=value`` / ``"key": "value"`` assignments whose key names a credential, well-known API key
 shapes (``sk-...``, ``ghp_...``, ``AKIA...``), and in JSON-like values every item whose key
-names a credential. Token *counts* and token ids (``prompt_tokens``, ``token_ids``) are data,
-not secrets, and are left alone.
+names a credential. Token *counts*, token ids and sampled tokens (``prompt_tokens``,
+``token_ids``, a logprobs entry's ``token``) are data, not secrets, and are left alone.
 """
 
 from __future__ import annotations
@@ -86,10 +86,12 @@ class Redactor:
         if isinstance(obj, str):
             return self.text(obj)
         if isinstance(obj, Mapping):
+            # In a logprobs entry ({"token": ..., "logprob": ...}) "token" is sampled text.
+            data_key = "token" if "logprob" in obj else None
             return {
                 key: (
                     REDACTED
-                    if isinstance(key, str) and is_sensitive_key(key) and item
+                    if isinstance(key, str) and key != data_key and is_sensitive_key(key) and item
                     else self.value(item)
                 )
                 for key, item in obj.items()

@@ -1,8 +1,9 @@
 """Save a finished rollout's sample as ``<root>/<rollout_id>/trajectory.json``.
 
 Saving is best effort: a sample that cannot be converted, or a disk that refuses the write,
-costs the trajectory and a log line, never the result. The rollout's own LLM API key (and any
-other secret handed in) is replaced wherever it appears; the rest is saved as produced.
+costs the trajectory and a log line, never the result. Secrets are scrubbed with the same
+``Redactor`` the live previews use: the rollout's own LLM API key (and any other secret handed
+in), plus authorization values, URL credentials and well-known key shapes in any text.
 """
 
 from __future__ import annotations
@@ -75,11 +76,13 @@ def save_trajectory(
     """Write the trajectory; return its path, or ``None`` if skipped or failed. Never raises."""
     try:
         trajectory = trajectory_of(result, agent_step_metrics=agent_step_metrics)
-        if trajectory is None:
-            return None
-        text = json.dumps(trajectory.to_json_dict(), indent=2, ensure_ascii=False, default=str)
-        text = Redactor(secrets).secrets_only(text)
         path = rollout_dir(root, result.rollout_id) / TRAJECTORY_FILE
+        if trajectory is None:
+            # No sample this time: a trajectory left by an earlier run would pass for this one's.
+            path.unlink(missing_ok=True)
+            return None
+        doc = Redactor(secrets).value(trajectory.to_json_dict())
+        text = json.dumps(doc, indent=2, ensure_ascii=False, default=str)
         write_atomic(path, utf8_json_text(text)[1])
         return path
     except Exception as exc:  # best effort by contract: the result matters, the file does not
