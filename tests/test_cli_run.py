@@ -206,6 +206,9 @@ def test_a_rerun_leaves_no_stale_files_of_the_previous_run(tmp_path: Path) -> No
         (b'{"user_prompt": "ok"}\n{"user_prompt": "caf\xe9"}\n', "bad.jsonl:2: not UTF-8 text"),
         (b'{"user_prompt": ["hi"]}\n', "bad.jsonl:1: user_prompt: Input should be a valid string"),
         (b'{"user_prompt": "hi", "metadata": "x"}\n', "bad.jsonl:1: metadata: Input should be"),
+        # Not the label "1" or "nan": a boolean or non-finite ground truth is refused.
+        (b'{"user_prompt": "hi", "ground_truth": true}\n', "bad.jsonl:1: ground_truth:"),
+        (b'{"user_prompt": "hi", "ground_truth": NaN}\n', "bad.jsonl:1: ground_truth:"),
     ],
 )
 def test_bad_dataset_rows_are_named(tmp_path: Path, content: bytes, expected: str) -> None:

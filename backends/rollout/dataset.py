@@ -5,9 +5,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from backends.rollout.request import RolloutRequest
 from backends.rollout.sample import MessageDict
@@ -17,6 +26,10 @@ class DatasetError(ValueError):
     """A dataset file or row is malformed; the message names the file and line."""
 
 
+# Strict: JSON `true` is not the label "1", nor NaN the label "nan".
+GroundTruth = StrictStr | StrictInt | Annotated[float, Strict(), AllowInfNan(False)]
+
+
 class DatasetRow(BaseModel):
     """One row. Extra columns are kept out of the prompt and ignored."""
 
@@ -24,8 +37,8 @@ class DatasetRow(BaseModel):
 
     user_prompt: str | None = None
     system_prompt: str | None = None
-    ground_truth: str | int | float | None = Field(default=None)
-    label: str | int | float | None = None
+    ground_truth: GroundTruth | None = Field(default=None)
+    label: GroundTruth | None = None
     metadata: dict[str, Any] | None = None
 
     def prompt(self) -> list[MessageDict]:
