@@ -103,6 +103,8 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
         high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for f in fds]
         err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
         go_r = fcntl.fcntl(go_r, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
+        if target is not None:  # received without close-on-exec: never hand it to the command
+            target = fcntl.fcntl(target, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
         _close_all_but({*high, err_w, go_r, *([] if target is None else [target])})
         # First, before anything can fork: every descendant stays inside the limits.
         # ("0" is the writer itself, whichever pid namespace it was forked into.)
@@ -146,8 +148,8 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             os.setresuid(0, 0, 0)
             os.setgroups([])
         # Install the requested fds at their numbers; everything else is close-on-exec.
-        for target, f in zip(req["fds"], high, strict=True):
-            os.dup2(f, target, inheritable=True)
+        for number, f in zip(req["fds"], high, strict=True):
+            os.dup2(f, number, inheritable=True)
         argv = req["argv"]
         if not enter:
             os.execve(argv[0], argv, req["env"])

@@ -38,6 +38,9 @@ async def test_exec_semantics(provider: Provider, tmp_path: Path) -> None:
         assert (await env.exec("true", cwd="/no/such/dir")).return_code != 0
         assert (await env.exec("ls /logs")).stdout.split() == ["agent", "artifacts", "verifier"]
         assert (await env.exec("stat -c %a /logs/agent")).stdout == "777\n"
+        # The command inherits stdin, stdout and stderr, nothing of the machinery (fd 3 is
+        # the listing's own).
+        assert (await env.exec("ls /proc/self/fd")).stdout.split() == ["0", "1", "2", "3"]
     finally:
         await env.stop(delete=True)
 
