@@ -181,22 +181,15 @@ class LocalBackend:
             extra = {"workflow_info": info} if info else {}
             if entry.scope.cancel_called:  # execute() reports it; do not start the grader
                 return _cancelled(rid, entry)
-            if not request.grade:
-                problem = sample_problem(sample)
-                if problem:
-                    invalid = classify(RolloutValidationError(problem), Phase.AGENT)
-                    return RolloutResult.failed(rid, invalid, sample, timings=timings)
-                return RolloutResult(
-                    rollout_id=rid,
-                    status=RolloutStatus.SUCCESS,
-                    sample=sample,
-                    timings=timings,
-                    extra_fields=extra,
-                )
-            entry.status = RolloutStatus.GRADING
-            graded_at = time.monotonic()
-            failure = await self._grade(request, sample, artifacts_dir)
-            timings["grader_sec"] = time.monotonic() - graded_at
+            if request.grade:
+                entry.status = RolloutStatus.GRADING
+                graded_at = time.monotonic()
+                failure = await self._grade(request, sample, artifacts_dir)
+                timings["grader_sec"] = time.monotonic() - graded_at
+            elif problem := sample_problem(sample):
+                failure = classify(RolloutValidationError(problem), Phase.AGENT)
+            else:
+                failure = None
             if failure is not None:
                 return RolloutResult.failed(rid, failure, sample, timings=timings)
             return RolloutResult(

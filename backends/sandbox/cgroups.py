@@ -244,14 +244,10 @@ class SandboxCgroup:
         """Wait (on the event loop) until no process is left in the sandbox's v2 group."""
         if self.v2_dir is None:
             return
-        events = self.v2_dir / "cgroup.events"
         deadline = time.monotonic() + limit_sec
         delay = 0.0002
         while time.monotonic() < deadline:
-            try:
-                if "populated 0" in events.read_text():
-                    return
-            except FileNotFoundError:
+            if _empty(self.v2_dir):
                 return
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.005)
@@ -276,15 +272,17 @@ def _members(group: Path) -> list[int]:
     return pids
 
 
+def _empty(group: Path) -> bool:
+    """No process left in the v2 group or below it (a removed group counts as empty)."""
+    try:
+        return "populated 0" in (group / "cgroup.events").read_text()
+    except FileNotFoundError:
+        return True
+
+
 def _wait_empty(group: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    events = group / "cgroup.events"
-    while time.monotonic() < deadline:
-        try:
-            if "populated 0" in events.read_text():
-                return
-        except FileNotFoundError:
-            return
+    while time.monotonic() < deadline and not _empty(group):
         time.sleep(0.001)
 
 

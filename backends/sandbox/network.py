@@ -71,23 +71,21 @@ async def connect(booted: launcher.Booted) -> Uplink:
         SandboxStartError: slirp4netns failed or did not become ready (its stderr included).
     """
     slirp = require_slirp()
+    # By namespace fd, not pid: a pid number could be reused by a host process.
+    try:
+        netns = booted.open_namespace("net")
+    except ProcessLookupError as e:
+        raise SandboxStartError(f"sandbox died before its network came up: {e}") from e
     exit_r, exit_w = os.pipe()
     ready_r, ready_w = os.pipe()
     err_r, err_w = os.pipe()
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-    # By namespace fd, not pid: a pid number could be reused by a host process.
     argv = [
         slirp, "--configure", "--mtu=65520", "--disable-host-loopback", "--enable-sandbox",
         "--enable-seccomp", "--exit-fd=3", "--ready-fd=4", "--netns-type=path",
         "/proc/self/fd/5", "tap0",
     ]  # fmt: skip
     try:
-        try:
-            netns = booted.open_namespace("net")
-        except ProcessLookupError as e:
-            for fd in (null, exit_r, ready_w, err_w):
-                os.close(fd)
-            raise SandboxStartError(f"sandbox died before its network came up: {e}") from e
         try:
             proc = await launcher.spawner().spawn(
                 argv,
@@ -99,19 +97,15 @@ async def connect(booted: launcher.Booted) -> Uplink:
             for fd in (null, exit_r, ready_w, err_w, netns):
                 os.close(fd)
         try:
-            with anyio.fail_after(READY_TIMEOUT_SEC):
-                ready = await launcher.read_fd(ready_r, lambda b: b"1" in b)
-            if b"1" not in ready:
-                await proc.wait()
+            with anyio.move_on_after(READY_TIMEOUT_SEC):
+                if b"1" in await launcher.read_fd(ready_r, lambda b: b"1" in b):
+                    return Uplink(proc, exit_w)
+                await proc.wait()  # it closed the ready fd without saying ready: it failed
                 err = (await launcher.read_fd(err_r)).decode(errors="replace").strip()
                 raise SandboxStartError(
                     f"slirp4netns failed (exit {proc.returncode}): {err or 'no output'}"
                 )
-        except TimeoutError:
-            proc.kill()
-            raise SandboxStartError(
-                f"slirp4netns was not ready within {READY_TIMEOUT_SEC} s"
-            ) from None
+            raise SandboxStartError(f"slirp4netns was not ready within {READY_TIMEOUT_SEC} s")
         except BaseException:
             proc.kill()
             raise
@@ -121,4 +115,3 @@ async def connect(booted: launcher.Booted) -> Uplink:
     finally:
         os.close(ready_r)
         os.close(err_r)
-    return Uplink(proc, exit_w)
