@@ -5,6 +5,7 @@ rollouts from Python (``collect``/``run_batch``), the command line (``backends r
 trainer over HTTP (``create_rollout_server``).
 """
 
+from backends.harbor import HarborBackend
 from backends.local import LocalBackend
 from backends.rollout import (
     AgentWorkflow,
@@ -63,6 +64,7 @@ __all__ = [
     "Grader",
     "GraderConfig",
     "GraderContext",
+    "HarborBackend",
     "LocalBackend",
     "Phase",
     "Relay",
