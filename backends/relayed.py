@@ -3,7 +3,9 @@
 The inner backend (and the agent inside it) sees only the relay route and a token valid for
 this one rollout while it runs; the trainer's endpoint and key stay in the relay. When the
 rollout ends its token is revoked and the relay's trace (every call, with token ids and
-logprobs when the upstream returned them) is attached to the result.
+logprobs when the upstream returned them) is the result's ``policy_trace``. The backend gets
+the route typed (``RolloutRequest.policy_route``): host URL, token, and the relay's socket and
+advertised URL for agents inside sandboxes.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from backends.relay import Relay, RolloutTrace
-from backends.rollout.backend import CancelDisposition, ExecutionBackend
+from backends.relay import Grant, Relay, RolloutTrace
+from backends.rollout.backend import CancelDisposition, ExecutionBackend, start_backend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
 from backends.rollout.request import (
     POLICY_TRACE_FIELD,
@@ -22,8 +24,9 @@ from backends.rollout.request import (
     RolloutResult,
     RolloutStatus,
 )
+from backends.rollout.route import PolicyRoute
 
-TRACE_FIELD = POLICY_TRACE_FIELD
+TRACE_FIELD = POLICY_TRACE_FIELD  # the trace's key in a result's JSON form
 
 
 class RelayedBackend:
@@ -52,9 +55,15 @@ class RelayedBackend:
                 ),
             )
         # Like the reference protocol, the URL is the OpenAI base URL (clients append
-        # /chat/completions); RolloutContext.base_url accepts either form.
+        # /chat/completions); RolloutContext.base_url accepts either form. The upstream's URL
+        # and key go no further than the relay.
+        route = policy_route(self.relay, grant)
         routed = request.model_copy(
-            update={"chat_completions_url": grant.base_url, "api_key": grant.token}
+            update={
+                "chat_completions_url": route.base_url,
+                "api_key": route.api_key,
+                "policy_route": route,
+            }
         )
         try:
             result = await self.backend.execute(routed)
@@ -64,6 +73,9 @@ class RelayedBackend:
             with anyio.CancelScope(shield=True):
                 trace = await self.relay.aend(rid)
         return attach_trace(result, trace)
+
+    async def start(self) -> None:
+        await start_backend(self.backend)
 
     def status(self, rollout_id: str) -> RolloutStatus | None:
         return self.backend.status(rollout_id)
@@ -89,6 +101,18 @@ class RelayedBackend:
         return getattr(self.backend, name)
 
 
+def policy_route(relay: Relay, grant: Grant) -> PolicyRoute:
+    """The route of ``grant``'s rollout: the relay's TCP URL, its socket and advertised URL."""
+    return PolicyRoute(
+        rollout_id=grant.rollout_id,
+        base_url=grant.base_url,
+        api_key=grant.token,
+        relay_path=grant.path,
+        relay_socket=relay.unix_socket_path,
+        advertised_url=relay.advertised_url,
+    )
+
+
 def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     """Put the trace on the result; blame the policy when it, not the agent, failed.
 
@@ -98,7 +122,6 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     completed (a dead endpoint would otherwise train as reward 0). The sample is kept for
     diagnosis, without a reward.
     """
-    extra = {**result.extra_fields, TRACE_FIELD: trace.model_dump(mode="json")}
     failure = result.failure
     policy = trace.policy_failure()
     if policy is not None and failure is not None and failure.category is ErrorCategory.AGENT_ERROR:
@@ -124,6 +147,7 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
             unanswered,
             sample=result.sample,
             timings=result.timings,
-            extra_fields=extra,
+            extra_fields=result.extra_fields,
+            policy_trace=trace,
         )
-    return result.model_copy(update={"extra_fields": extra, "failure": failure})
+    return result.model_copy(update={"policy_trace": trace, "failure": failure})

@@ -19,7 +19,7 @@ from backends import (
     RolloutStatus,
 )
 from backends.relay import Relay
-from backends.relayed import TRACE_FIELD, RelayedBackend
+from backends.relayed import RelayedBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -60,7 +60,8 @@ async def test_agent_sees_only_its_route_and_the_trace_comes_back(
         assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0
         assert SEEN["url"].startswith(relay.base_url) and "/rollouts/r1/" in SEEN["url"] + "/"
         assert UPSTREAM_KEY not in json.dumps(SEEN)
-        trace = result.extra_fields[TRACE_FIELD]
+        assert result.policy_trace is not None
+        trace = result.policy_trace.model_dump(mode="json")
         assert [c["upstream_status"] for c in trace["calls"]] == [200]
         assert trace["calls"][0]["usage"]["completion_tokens"] == 1
         # The token died with the rollout.
@@ -123,7 +124,8 @@ async def test_a_swallowed_policy_failure_withholds_the_reward(
     req = request("r4", "start", upstream).model_copy(update={"metadata": {"questions": questions}})
     async with Relay() as relay:
         result = await RelayedBackend(backend, relay).execute(req)
-    trace = result.extra_fields[TRACE_FIELD]
+    assert result.policy_trace is not None
+    trace = result.policy_trace.model_dump(mode="json")
     assert trace["calls"], result.failure
     assert [c["upstream_status"] for c in trace["calls"]] == [
         502 if q == "fail" else 200 for q in questions

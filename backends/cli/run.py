@@ -21,7 +21,7 @@ from rich.table import Table
 
 from backends.relay import Relay
 from backends.relay.scripted import ScriptedPolicy
-from backends.relayed import TRACE_FIELD, RelayedBackend
+from backends.relayed import RelayedBackend
 from backends.rollout.artifacts import default_rollout_root
 from backends.rollout.backend import ExecutionBackend
 from backends.rollout.batch import run_batch
@@ -157,7 +157,6 @@ class _Row:
 
 
 def _row(result: RolloutResult, redactor: Redactor) -> _Row:
-    trace = result.extra_fields.get(TRACE_FIELD) or {}
     answer = ""
     if result.sample and result.sample.messages:
         answer = redactor.text(str(result.sample.messages[-1].get("content") or ""))[:40]
@@ -166,7 +165,7 @@ def _row(result: RolloutResult, redactor: Redactor) -> _Row:
         rollout_id=result.rollout_id,
         status=str(result.status),
         reward=result.reward,
-        policy_calls=len(trace.get("calls", [])),
+        policy_calls=len(result.policy_trace.calls) if result.policy_trace else 0,
         answer=answer,
         failure_category=str(failure.category) if failure else None,
         failure=f"{failure.category}: {redactor.text(failure.message)[:60]}" if failure else "",
