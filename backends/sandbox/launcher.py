@@ -255,13 +255,11 @@ class Spawner:
         boot: dict[str, object] | None = None,
         enter: dict[str, object] | None = None,
         enter_pidfd: int = -1,
-        max_file_bytes: int | None = None,
     ) -> SandboxProcess:
         """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
 
         With `enter` ({"uid", "gid", "groups"}) argv runs inside the live sandbox whose pid 1
-        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH. `max_file_bytes`
-        caps the size of any file the process writes (RLIMIT_FSIZE; past it, SIGXFSZ).
+        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH.
 
         Raises:
             OSError: the spawner is gone, or the child failed before exec (message says why).
@@ -278,7 +276,6 @@ class Spawner:
             "boot": boot,
             "uid_map": f"0 {UID_BASE} {UID_COUNT}\n",
             "enter": enter,
-            "max_file_bytes": max_file_bytes,
         }
         data = json.dumps(req).encode()
         send_fds = list(fds)

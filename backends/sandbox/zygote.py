@@ -16,7 +16,7 @@ Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
   files], "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
   [image, point]}, "uid_map",
-  "enter": null | {"uid", "gid", "groups"}, "max_file_bytes": null | n}` with the fds to install at those numbers
+  "enter": null | {"uid", "gid", "groups"}}` with the fds to install at those numbers
   (every other fd is closed), and with `enter` the pidfd of the sandbox's pid 1 after them.
   `enter` runs the command inside a live sandbox: the child is forked straight into the
   sandbox's pid namespace and joins its user, mount, network, ipc and uts namespaces (what
@@ -36,7 +36,6 @@ import errno
 import fcntl
 import json
 import os
-import resource
 import selectors
 import signal
 import socket
@@ -110,10 +109,6 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
         # ("0" is the writer itself, whichever pid namespace it was forked into.)
         for f in req["cgroups"]:
             _write_file(f, b"0")
-        if req.get("max_file_bytes") is not None:
-            # Set here, out of the sandbox's reach: root inside cannot raise a hard limit.
-            limit = req["max_file_bytes"]
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         enter = req.get("enter")
         if enter:
             assert target is not None
