@@ -12,7 +12,7 @@ import anyio
 import pytest
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.trial.trial import Trial
-from harbor_support import PlantsReward, Sleeps, Snoops, write_task
+from harbor_support import CountingSandbox, PlantsReward, Sleeps, Snoops, write_task
 
 from backends import AgentWorkflow, HarborBackend, RolloutRequest, RolloutStatus, collect
 from backends.harbor import dataset_requests, discover_tasks
@@ -310,3 +310,21 @@ async def test_cancel_tears_the_sandbox_down(tmp_path: Path) -> None:
     assert sandbox_processes(Sleeps.marker) == []
     assert leftovers() == {"mounts": [], "cgroups": []}
     assert reap_orphans() == []
+
+
+async def test_logs_are_bound_not_downloaded(tmp_path: Path) -> None:
+    """The trial's /logs directories are host binds: no download or upload of them per trial."""
+    CountingSandbox.transfers.clear()
+    b = backend(tmp_path, environment="harbor_support:CountingSandbox")
+    [result] = await collect(b, [request("bound", "workdir-copy")])
+    assert result.reward == 1.0
+    assert not [t for t in CountingSandbox.transfers if "/logs" in t], CountingSandbox.transfers
+    assert CountingSandbox.transfers["upload /tests"] == 1  # the rest is as in Harbor
+
+
+async def test_logs_are_downloaded_when_the_task_limits_storage(tmp_path: Path) -> None:
+    CountingSandbox.transfers.clear()
+    b = backend(tmp_path, environment="harbor_support:CountingSandbox")
+    [result] = await collect(b, [request("limited", "nonroot-agent")])
+    assert result.reward == 1.0
+    assert CountingSandbox.transfers["download /logs/verifier"] == 1

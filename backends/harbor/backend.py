@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import tenacity
 from harbor.models.environment_type import EnvironmentType
+from harbor.models.task.config import TaskConfig as HarborTaskConfig
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.models.trial.config import VerifierConfig as HarborVerifierConfig
 from harbor.trial.trial import Trial
@@ -50,6 +51,7 @@ from backends.rollout.errors import (
     RolloutValidationError,
     describe,
 )
+from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
 
 LOCAL_SANDBOX = "backends.sandbox.local:LocalSandbox"
@@ -190,6 +192,8 @@ class HarborBackend:
         self.sink = ArtifactSink(artifacts if artifacts is not None else default_rollout_root())
         self._in_flight: dict[str, _InFlight] = {}
         self._drained: anyio.Event | None = None  # set when aclose() may return
+        self._storage_limited: dict[Path, bool] = {}
+        self._local_sandbox = _is_local_sandbox(self.environment)
 
     def _check_template(self) -> None:
         if not is_task_dir(self.tasks_dir):
@@ -346,14 +350,33 @@ class HarborBackend:
             override_timeout_sec=request.agent_timeout_sec,
             override_setup_timeout_sec=self.agent_setup_timeout_sec,
         )
+        environment = self.environment.model_copy(deep=True)
+        if self._binds_logs(task_dir):
+            environment.kwargs["auto_mounting"] = True
         return TrialConfig(
             task=TaskConfig(path=task_dir),
             trial_name=trial_name,
             trials_dir=self.trials_dir,
             agent=agent,
-            environment=self.environment.model_copy(deep=True),
+            environment=environment,
             verifier=HarborVerifierConfig(override_timeout_sec=request.grader_timeout_sec),
         )
+
+    def _binds_logs(self, task_dir: Path) -> bool:
+        """Whether the local sandbox binds the trial's /logs to the host (Harbor's mounted mode).
+
+        It spares a download of each log directory per trial, unless the user chose for
+        themselves, or the task's storage_mb limit would not cover files written there.
+        """
+        env = self.environment
+        if not self._local_sandbox or "auto_mounting" in env.kwargs:
+            return False
+        if task_dir not in self._storage_limited:
+            config = HarborTaskConfig.model_validate_toml((task_dir / "task.toml").read_text())
+            limited = config.environment.storage_mb is not None or env.override_storage_mb
+            enforced = str(env.kwargs.get("enforce_storage", True)).lower() not in ("false", "0")
+            self._storage_limited[task_dir] = bool(limited and enforced)
+        return not self._storage_limited[task_dir]
 
     async def _attempt(
         self,
@@ -422,6 +445,20 @@ class HarborBackend:
         active = frozenset(n for e in self._in_flight.values() for n in e.trial_names)
         self.retention.finish(trial_dir, succeeded=succeeded, active=active - {trial_dir.name})
         return stored
+
+
+def _is_local_sandbox(config: EnvironmentConfig) -> bool:
+    if config.import_path is None:
+        return False
+    if config.import_path == LOCAL_SANDBOX:
+        return True
+    try:
+        cls = load_object(config.import_path)
+    except ImportError as exc:
+        raise ValueError(f"environment {config.import_path!r} cannot be loaded: {exc}") from exc
+    from backends.sandbox.local import LocalSandbox
+
+    return isinstance(cls, type) and issubclass(cls, LocalSandbox)
 
 
 def _last_attempt(state: tenacity.RetryCallState) -> _Attempt:

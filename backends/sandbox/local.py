@@ -67,6 +67,21 @@ def _parse_binds(raw: Iterable[Any] | str | None) -> list[Bind]:
     return binds
 
 
+def _host_mount_binds(mounts: Iterable[Any]) -> list[Bind]:
+    """Harbor's host mounts (the trial's /logs when auto_mounting, user mounts) as binds."""
+    binds = []
+    for mount in mounts:
+        if mount.get("type") != "bind":
+            raise UnsupportedTaskError(
+                f"mount {mount.get('target')!r} is of type {mount.get('type')!r}: local "
+                "sandboxes bind host directories only"
+            )
+        binds.append(
+            Bind(Path(mount["source"]), str(mount["target"]), bool(mount.get("read_only")))
+        )
+    return _parse_binds(binds)
+
+
 DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
 TRANSFER_TIMEOUT_SEC = 1800  # a download the sandbox stalls must not hold a trial forever
 
@@ -117,6 +132,11 @@ class LocalSandbox(BaseEnvironment):
     - `enforce_storage`: True (default) enforces the task's `storage_mb` (the sandbox writes
       into a sparse ext4 image that size; past it, ENOSPC); False runs without a disk limit,
       for hosts without loop devices.
+    - `auto_mounting` (Harbor's own switch): True binds the trial's /logs/agent,
+      /logs/verifier and /logs/artifacts to its host directories, as Harbor's mounted
+      environments do, sparing a download per directory. Refused with an enforced
+      `storage_mb`: files written there would escape the disk limit. Harbor's `mounts`
+      (bind type) are bound likewise.
 
     Not supported, and refused at construction with an error naming it: GPUs and TPUs,
     network allowlists, docker-compose environments, Windows.
@@ -165,6 +185,9 @@ class LocalSandbox(BaseEnvironment):
             raise ValueError(f"max_output_bytes must be >= 0, not {max_output_bytes!r}")
         self._box: BwrapSandbox | None = None
         self._image: layers.Image | None = None
+        # Harbor's command line passes the flag as a string.
+        kwargs["auto_mounting"] = _flag(kwargs.get("auto_mounting", False), "auto_mounting")
+        self._binds_host_paths = kwargs["auto_mounting"] or bool(kwargs.get("mounts"))
         super().__init__(
             environment_dir,
             environment_name,
@@ -181,6 +204,12 @@ class LocalSandbox(BaseEnvironment):
                 "can give no network or the host's network, nothing in between"
             )
         storage = self._effective_storage_mb if self._enforce_storage else None
+        self._host_binds = _host_mount_binds(self._host_mounts)
+        if storage and self.auto_mounting:
+            raise ValueError(
+                "auto_mounting binds /logs to the host, outside the task's storage_mb limit: "
+                "turn one of them off (enforce_storage=False to drop the limit)"
+            )
         if max_download_bytes is not None:
             self._max_download = int(max_download_bytes)
         elif storage:
@@ -204,7 +233,8 @@ class LocalSandbox(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        return EnvironmentCapabilities(disable_internet=True)
+        # Mounted only when asked to: Harbor then derives the /logs binds from trial_paths.
+        return EnvironmentCapabilities(disable_internet=True, mounted=self._binds_host_paths)
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
@@ -247,7 +277,7 @@ class LocalSandbox(BaseEnvironment):
         return await anyio.to_thread.run_sync(layers.base_image, image)
 
     def _binds(self) -> list[Bind]:
-        binds = list(self._extra_binds)
+        binds = [*self._extra_binds, *self._host_binds]
         if self._relay_socket is not None:
             if not self._relay_socket.exists():
                 raise FileNotFoundError(f"relay socket {self._relay_socket} does not exist")
