@@ -25,7 +25,6 @@ from typing import Any
 import anyio
 import tenacity
 from harbor.models.environment_type import EnvironmentType
-from harbor.models.task.config import TaskConfig as HarborTaskConfig
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.models.trial.config import VerifierConfig as HarborVerifierConfig
 from harbor.trial.trial import Trial
@@ -63,10 +62,16 @@ def build_environment_config(environment: str, base: EnvironmentConfig | None) -
 
     ``base`` (the user's ``environment_config``) is copied; when it names no environment
     itself, ``environment`` does: ``"local"``, ``"skypilot"``, any Harbor environment type
-    (``"docker"``, ``"modal"``, ...) or an import path ``"module:Class"``.
+    (``"docker"``, ``"modal"``, ...) or an import path ``"module:Class"``. Harbor fills in
+    ``type="docker"`` for a config naming neither, so docker in ``base`` counts only when it
+    comes with ``environment="docker"``: ``environment_config=EnvironmentConfig(kwargs=...)``
+    alone keeps the local sandbox.
     """
     config = base.model_copy(deep=True) if base is not None else EnvironmentConfig(type=None)
-    if base is not None and {"type", "import_path"} & base.model_fields_set:
+    if base is not None and (
+        base.import_path is not None
+        or (base.type is not None and base.type is not EnvironmentType.DOCKER)
+    ):
         return config
     if environment == "local":
         return config.model_copy(update={"type": None, "import_path": LOCAL_SANDBOX})
@@ -192,7 +197,6 @@ class HarborBackend:
         self.sink = ArtifactSink(artifacts if artifacts is not None else default_rollout_root())
         self._in_flight: dict[str, _InFlight] = {}
         self._drained: anyio.Event | None = None  # set when aclose() may return
-        self._storage_limited: dict[Path, bool] = {}
         self._local_sandbox = _is_local_sandbox(self.environment)
 
     def _check_template(self) -> None:
@@ -350,9 +354,10 @@ class HarborBackend:
             override_timeout_sec=request.agent_timeout_sec,
             override_setup_timeout_sec=self.agent_setup_timeout_sec,
         )
+        # Never auto_mounting by default: a bound /logs lets the sandbox plant symlinks and
+        # sparse files that Harbor then reads (or writes) on the host as root; downloads are
+        # the checked, bounded path.
         environment = self.environment.model_copy(deep=True)
-        if self._binds_logs(task_dir):
-            environment.kwargs["auto_mounting"] = True
         return TrialConfig(
             task=TaskConfig(path=task_dir),
             trial_name=trial_name,
@@ -361,22 +366,6 @@ class HarborBackend:
             environment=environment,
             verifier=HarborVerifierConfig(override_timeout_sec=request.grader_timeout_sec),
         )
-
-    def _binds_logs(self, task_dir: Path) -> bool:
-        """Whether the local sandbox binds the trial's /logs to the host (Harbor's mounted mode).
-
-        It spares a download of each log directory per trial, unless the user chose for
-        themselves, or the task's storage_mb limit would not cover files written there.
-        """
-        env = self.environment
-        if not self._local_sandbox or "auto_mounting" in env.kwargs:
-            return False
-        if task_dir not in self._storage_limited:
-            config = HarborTaskConfig.model_validate_toml((task_dir / "task.toml").read_text())
-            limited = config.environment.storage_mb is not None or env.override_storage_mb
-            enforced = str(env.kwargs.get("enforce_storage", True)).lower() not in ("false", "0")
-            self._storage_limited[task_dir] = bool(limited and enforced)
-        return not self._storage_limited[task_dir]
 
     async def _attempt(
         self,
