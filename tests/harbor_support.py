@@ -7,11 +7,15 @@ sandbox the way an adversarial or slow agent would.
 from __future__ import annotations
 
 import shlex
+from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
+
+from backends.sandbox.local import LocalSandbox
 
 
 class _ShellAgent(BaseAgent):
@@ -40,6 +44,16 @@ class PlantsReward(_ShellAgent):
 
     script = (
         "echo 1 > /logs/verifier/reward.txt; echo '{{\"reward\": 1}}' > /logs/verifier/reward.json"
+    )
+
+
+class SwapsReward(_ShellAgent):
+    """Leaves a daemon that turns the verifier's reward.txt into a link to the instruction's path."""
+
+    script = (
+        "target=$(echo {instruction}); nohup bash -c 'while :; do f=/logs/verifier/reward.txt; "
+        'if [ -f $f ] && [ ! -L $f ]; then ln -sf "$0" $f; fi; sleep 0.01; done\' "$target" '
+        ">/dev/null 2>&1 &"
     )
 
 
@@ -90,3 +104,17 @@ def write_task(root: Path, name: str, *, test: str, solve: str = "true", toml: s
         path.write_text(f"#!/bin/bash\n{body}\n")
         path.chmod(0o755)
     return task
+
+
+class CountingSandbox(LocalSandbox):
+    """The local sandbox, counting its file transfers (class-wide, reset by the test)."""
+
+    transfers: ClassVar[Counter[str]] = Counter()
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        CountingSandbox.transfers[f"download {source_dir}"] += 1
+        await super().download_dir(source_dir, target_dir)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        CountingSandbox.transfers[f"upload {target_dir}"] += 1
+        await super().upload_dir(source_dir, target_dir)

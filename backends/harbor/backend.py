@@ -50,6 +50,7 @@ from backends.rollout.errors import (
     RolloutValidationError,
     describe,
 )
+from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
 
 LOCAL_SANDBOX = "backends.sandbox.local:LocalSandbox"
@@ -61,10 +62,16 @@ def build_environment_config(environment: str, base: EnvironmentConfig | None) -
 
     ``base`` (the user's ``environment_config``) is copied; when it names no environment
     itself, ``environment`` does: ``"local"``, ``"skypilot"``, any Harbor environment type
-    (``"docker"``, ``"modal"``, ...) or an import path ``"module:Class"``.
+    (``"docker"``, ``"modal"``, ...) or an import path ``"module:Class"``. Harbor fills in
+    ``type="docker"`` for a config naming neither, so docker in ``base`` counts only when it
+    comes with ``environment="docker"``: ``environment_config=EnvironmentConfig(kwargs=...)``
+    alone keeps the local sandbox.
     """
     config = base.model_copy(deep=True) if base is not None else EnvironmentConfig(type=None)
-    if base is not None and {"type", "import_path"} & base.model_fields_set:
+    if base is not None and (
+        base.import_path is not None
+        or (base.type is not None and base.type is not EnvironmentType.DOCKER)
+    ):
         return config
     if environment == "local":
         return config.model_copy(update={"type": None, "import_path": LOCAL_SANDBOX})
@@ -190,6 +197,7 @@ class HarborBackend:
         self.sink = ArtifactSink(artifacts if artifacts is not None else default_rollout_root())
         self._in_flight: dict[str, _InFlight] = {}
         self._drained: anyio.Event | None = None  # set when aclose() may return
+        self._local_sandbox = _is_local_sandbox(self.environment)
 
     def _check_template(self) -> None:
         if not is_task_dir(self.tasks_dir):
@@ -346,12 +354,16 @@ class HarborBackend:
             override_timeout_sec=request.agent_timeout_sec,
             override_setup_timeout_sec=self.agent_setup_timeout_sec,
         )
+        # Never auto_mounting by default: a bound /logs lets the sandbox plant symlinks and
+        # sparse files that Harbor then reads (or writes) on the host as root; downloads are
+        # the checked, bounded path.
+        environment = self.environment.model_copy(deep=True)
         return TrialConfig(
             task=TaskConfig(path=task_dir),
             trial_name=trial_name,
             trials_dir=self.trials_dir,
             agent=agent,
-            environment=self.environment.model_copy(deep=True),
+            environment=environment,
             verifier=HarborVerifierConfig(override_timeout_sec=request.grader_timeout_sec),
         )
 
@@ -422,6 +434,20 @@ class HarborBackend:
         active = frozenset(n for e in self._in_flight.values() for n in e.trial_names)
         self.retention.finish(trial_dir, succeeded=succeeded, active=active - {trial_dir.name})
         return stored
+
+
+def _is_local_sandbox(config: EnvironmentConfig) -> bool:
+    if config.import_path is None:
+        return False
+    if config.import_path == LOCAL_SANDBOX:
+        return True
+    try:
+        cls = load_object(config.import_path)
+    except ImportError as exc:
+        raise ValueError(f"environment {config.import_path!r} cannot be loaded: {exc}") from exc
+    from backends.sandbox.local import LocalSandbox
+
+    return isinstance(cls, type) and issubclass(cls, LocalSandbox)
 
 
 def _last_attempt(state: tenacity.RetryCallState) -> _Attempt:
