@@ -248,7 +248,8 @@ def test_agents_by_name_import_path_or_refused(tmp_path: Path) -> None:
         async def run(self, ctx):
             return None
 
-    with pytest.raises(ValueError, match=r"AgentWorkflow.*rollout bundle"):
+    # A workflow ships as a rollout bundle: its file needs a pyproject.toml beside it.
+    with pytest.raises(ValueError, match=r"Workflow lives in .*no pyproject\.toml"):
         backend(tmp_path, Workflow)
     with pytest.raises(ValueError, match="not a Harbor BaseAgent"):
         backend(tmp_path, "json:dumps")

@@ -14,23 +14,28 @@ import contextlib
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
+from harbor.models.task.config import TaskConfig as HarborTaskConfig
 
 from backends.bundle.build import Bundle, BundleError, build_bundle
 from backends.bundle.environment import Environment, ensure_environment
 from backends.bundle.models import RunnerInput, RunnerOutput, read_bounded
-from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
+from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure, user_code_failure
 from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest
 from backends.rollout.route import PolicyRoute
-from backends.rollout.sample import RolloutSample
-from backends.rollout.workflow import AgentWorkflow
+from backends.rollout.sample import RolloutSample, sample_problem
+from backends.rollout.user_code import fresh_config, grade_sample
+from backends.rollout.workflow import AgentWorkflow, Grader
 from backends.sandbox.local import DEFAULT_RELAY_PORT
+
+if TYPE_CHECKING:
+    from backends.harbor.outcome import TrialOutcome
 
 BUNDLE_AGENT = "backends.bundle.agent:BundleAgent"
 OUTPUT_FILE = "runner_output.json"
@@ -60,19 +65,16 @@ class WorkflowPlan:
         workflow whose project cannot ship: no pyproject.toml beside its file, a config that is
         not a ``"file.py:name"`` reference.
         """
-        if isinstance(agent, str) and ".py:" not in agent:
-            return None
+        if isinstance(agent, str) and ":" not in agent:
+            return None  # a Harbor registry name
         try:
             workflow = load_object(agent)
         except ImportError:
             return None  # not ours to explain: Harbor's agent resolution reports it
         if not (isinstance(workflow, type) and issubclass(workflow, AgentWorkflow)):
             return None
-        source = Path(agent.rpartition(":")[0]) if isinstance(agent, str) else None
-        if source is None:
-            module = sys.modules.get(workflow.__module__)
-            source = Path(getattr(module, "__file__", "") or ".")
-        source = source.resolve()
+        module = sys.modules.get(workflow.__module__)
+        source = Path(getattr(module, "__file__", None) or ".").resolve()
         if workflow_config is not None and not isinstance(workflow_config, str):
             raise BundleError(
                 "a workflow run in a sandbox takes workflow_config as a reference inside its "
@@ -90,17 +92,18 @@ class WorkflowPlan:
     def label(self) -> str:
         return f"workflow {self.project.name}/{self.entrypoint}"
 
-    async def prepare(self, environment_dir: Path, docker_image: str | None) -> Environment:
-        """Build the bundle and install it for this image, once (both are cached on disk)."""
+    async def prepare(self, task_dir: Path) -> Environment:
+        """Build the bundle and install it for the task's image, once (both cached on disk)."""
         async with self._lock:
             if self.environment is None:
+                task = HarborTaskConfig.model_validate_toml((task_dir / "task.toml").read_text())
                 bundle: Bundle = await anyio.to_thread.run_sync(
                     lambda: build_bundle(self.project, entrypoint=self.entrypoint)
                 )
                 self.environment = await ensure_environment(
                     bundle,
-                    environment_dir=environment_dir,
-                    docker_image=docker_image,
+                    environment_dir=task_dir / "environment",
+                    docker_image=task.environment.docker_image,
                     entrypoint=self.entrypoint,
                 )
             return self.environment
@@ -175,6 +178,70 @@ class WorkflowPlan:
         if output.info:
             sample.extra_fields.setdefault("workflow_info", output.info)
         return sample
+
+
+class HostGrader:
+    """A ``Grader`` run on the host with the request's label (it never enters the sandbox)."""
+
+    def __init__(self, grader: Any, config: Any = None) -> None:
+        cls = load_object(grader)
+        if not (isinstance(cls, type) and issubclass(cls, Grader)):
+            raise TypeError(f"grader must be a subclass of Grader, got {cls!r}")
+        self.cls = cls
+        self.config = load_object(config)
+
+    async def grade(self, sample: RolloutSample, request: RolloutRequest) -> RolloutFailure | None:
+        """Set ``sample.reward``; the failure if the grader raised or set no usable reward."""
+        sample.label = request.label
+        try:
+            await grade_sample(
+                self.cls(config=fresh_config(self.config)),
+                sample,
+                label=request.label,
+                metadata=request.metadata,
+            )
+        except Exception as exc:
+            return user_code_failure(exc, Phase.GRADING)
+        problem = sample_problem(sample)
+        if sample.reward is None and not sample.remove_sample:
+            problem = "the grader finished without calling ctx.set_reward()"
+        if problem:
+            return RolloutFailure(
+                category=ErrorCategory.VERIFIER_ERROR, phase=Phase.GRADING, message=problem
+            )
+        return None
+
+
+async def finish_workflow_trial(
+    plan: WorkflowPlan,
+    trial_dir: Path,
+    outcome: TrialOutcome,
+    request: RolloutRequest,
+    grader: HostGrader | None,
+    metrics: dict[str, Any],
+) -> tuple[RolloutSample | None, TrialOutcome]:
+    """A workflow trial's sample and outcome: the runner's sample, graded on the host by
+    ``grader`` or by the template's tests (``outcome``). A retryable infrastructure failure
+    (the sandbox never ran the workflow) stands as Harbor reported it.
+    """
+    from backends.harbor.outcome import TrialOutcome  # HarborBackend imports this module
+
+    if outcome.failure is not None and outcome.retryable:
+        return None, outcome
+    collected = await anyio.to_thread.run_sync(plan.collect, trial_dir)
+    if isinstance(collected, RolloutFailure):
+        return None, TrialOutcome(failure=collected, stage="agent")
+    collected.metrics.update({k: v for k, v in metrics.items() if k not in collected.metrics})
+    if outcome.failure is not None:
+        return collected, outcome
+    if grader is not None:
+        failure = await grader.grade(collected, request)
+        outcome = TrialOutcome(reward=collected.reward, failure=failure)
+        if failure is not None:
+            outcome.stage = "verifier"
+    else:
+        collected.reward = outcome.reward
+    return collected, outcome
 
 
 def _agent_failure(message: str) -> RolloutFailure:

@@ -378,6 +378,9 @@ def build_bundle(
             what=f"building the {PACKAGE} wheel",
         )
         shutil.rmtree(source)
+        for extra in wheels.iterdir():  # uv build leaves a .gitignore beside the wheel
+            if extra.suffix != ".whl":
+                extra.unlink()
         (own,) = wheels.glob("*.whl")
         pinned = _resolve(stage, deps, own, python=python, platform=platform)
         pins = [
@@ -390,8 +393,7 @@ def build_bundle(
         _download(others, wheelhouse, python=python, platform=platform)
         wanted = {_pin(p) for p in others}
         for wheel in wheelhouse.glob("*.whl"):
-            name, version, _, _ = parse_wheel_filename(wheel.name)
-            if (name, version) in wanted:
+            if parse_wheel_filename(wheel.name)[:2] in wanted:
                 os.link(wheel, wheels / wheel.name)
         (stage / "requirements.txt").write_text("\n".join([*others, PACKAGE]) + "\n")
         files = project_files(project)

@@ -29,6 +29,7 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfi
 from harbor.models.trial.config import VerifierConfig as HarborVerifierConfig
 from harbor.trial.trial import Trial
 
+from backends.bundle.agent import BUNDLE_AGENT, HostGrader, WorkflowPlan, finish_workflow_trial
 from backends.harbor.agents import AgentSpec, resolve_agent
 from backends.harbor.files import ArtifactSink, Retention, scrub_secrets
 from backends.harbor.outcome import TrialOutcome, outcome_of
@@ -157,6 +158,9 @@ class HarborBackend:
         max_queue_depth: int | None = None,
         artifacts: str | Path | None = None,
         infra_attempts: int = 3,
+        workflow_config: str | None = None,
+        grader: Any = None,
+        grader_config: Any = None,
     ) -> None:
         if task_mode not in ("template", "dataset"):
             raise ValueError(f"task_mode must be 'template' or 'dataset', not {task_mode!r}")
@@ -164,6 +168,12 @@ class HarborBackend:
         self.task_mode = task_mode
         if not self.tasks_dir.is_dir():
             raise ValueError(f"tasks_dir {tasks_dir} is not a directory")
+        # agent=<AgentWorkflow>: it runs inside the sandbox from a rollout bundle; a grader
+        # grades on the host with the label (see backends.bundle.agent).
+        self.workflow = WorkflowPlan.of(agent, workflow_config=workflow_config)
+        self.grader = HostGrader(grader, grader_config) if grader is not None else None
+        if self.workflow is not None and task_mode != "template":
+            raise ValueError("an AgentWorkflow runs in template mode (one image for its bundle)")
         if task_mode == "template":
             self._check_template()
         elif is_task_dir(self.tasks_dir):
@@ -171,7 +181,9 @@ class HarborBackend:
                 f"tasks_dir {tasks_dir} is one Harbor task; dataset mode needs a directory of "
                 "tasks (or use task_mode='template')"
             )
-        self.agent: AgentSpec = resolve_agent(agent)
+        self.agent: AgentSpec = (
+            AgentSpec(import_path=BUNDLE_AGENT) if self.workflow else resolve_agent(agent)
+        )
         self.model_name = model_name
         self.native_agent_kwargs = dict(native_agent_kwargs or {})
         self.environment = build_environment_config(environment, environment_config)
@@ -209,7 +221,7 @@ class HarborBackend:
             raise ValueError(
                 f"template {self.tasks_dir} has steps: template mode takes a single-step task"
             )
-        if not has_tests(self.tasks_dir):
+        if not has_tests(self.tasks_dir) and self.grader is None:
             raise RolloutValidationError(
                 f"template {self.tasks_dir} has no tests/test.sh, so nothing would give a reward"
             )
@@ -358,13 +370,18 @@ class HarborBackend:
         # sparse files that Harbor then reads (or writes) on the host as root; downloads are
         # the checked, bounded path.
         environment = self.environment.model_copy(deep=True)
+        if self.workflow is not None:
+            agent.kwargs.update(self.workflow.agent_kwargs(request))
+            environment.kwargs = self.workflow.environment_kwargs(request, environment.kwargs)
         return TrialConfig(
             task=TaskConfig(path=task_dir),
             trial_name=trial_name,
             trials_dir=self.trials_dir,
             agent=agent,
             environment=environment,
-            verifier=HarborVerifierConfig(override_timeout_sec=request.grader_timeout_sec),
+            verifier=HarborVerifierConfig(
+                override_timeout_sec=request.grader_timeout_sec, disable=self.grader is not None
+            ),
         )
 
     async def _attempt(
@@ -380,6 +397,8 @@ class HarborBackend:
         entry.trial_names.add(name)
         trial_dir = self.trials_dir / name
         try:
+            if self.workflow is not None:
+                await self.workflow.prepare(task_dir)  # built and installed once, then cached
             config = self._trial_config(request, task_dir, name)
             trial = await Trial.create(config)
         except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task
@@ -390,13 +409,18 @@ class HarborBackend:
         else:
             instruction = trial.task.instruction
         harbor_result = await run_to_end(trial)
-        outcome = outcome_of(harbor_result)
+        outcome = outcome_of(harbor_result, verifier_expected=self.grader is None)
         steps = [s.name for s in trial.task.config.steps or []]
         sample = await anyio.to_thread.run_sync(
             lambda: build_sample(
                 harbor_result, outcome, trial_dir, instruction=instruction, step_names=steps
             )
         )
+        if self.workflow is not None:
+            bundled, outcome = await finish_workflow_trial(
+                self.workflow, trial_dir, outcome, request, self.grader, sample.metrics
+            )
+            sample = bundled or sample
         stored = await anyio.to_thread.run_sync(
             self._finish_files, request, trial_dir, outcome.failure is None, entry
         )
