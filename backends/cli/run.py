@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from backends.graders.text import message_text
 from backends.relay import Relay
 from backends.relay.scripted import ScriptedPolicy
 from backends.relayed import RelayedBackend
@@ -159,7 +160,7 @@ class _Row:
 def _row(result: RolloutResult, redactor: Redactor) -> _Row:
     answer = ""
     if result.sample and result.sample.messages:
-        answer = redactor.text(str(result.sample.messages[-1].get("content") or ""))[:40]
+        answer = redactor.text(message_text(result.sample.messages[-1]))[:40]
     failure = result.failure
     return _Row(
         rollout_id=result.rollout_id,
