@@ -10,6 +10,7 @@ advertised URL for agents inside sandboxes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,10 @@ from backends.rollout.request import (
 from backends.rollout.route import PolicyRoute
 
 TRACE_FIELD = POLICY_TRACE_FIELD  # the trace's key in a result's JSON form
+# Where a sample lists its assistant turns (message indexes) that no relayed call produced.
+UNRELAYED_FIELD = "unrelayed_assistant_turns"
+
+log = logging.getLogger(__name__)
 
 
 class RelayedBackend:
@@ -121,7 +126,12 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     The second is a failure too: its reward would score a trajectory the policy never
     completed (a dead endpoint would otherwise train as reward 0). The sample is kept for
     diagnosis, without a reward.
+
+    Assistant turns the relay never answered (a direct provider call, text the agent wrote
+    itself) are listed in ``sample.extra_fields["unrelayed_assistant_turns"]``: the trainer has
+    no tokens of its policy for them.
     """
+    result = flag_unrelayed_turns(result, trace)
     failure = result.failure
     policy = trace.policy_failure()
     if policy is not None and failure is not None and failure.category is ErrorCategory.AGENT_ERROR:
@@ -151,3 +161,18 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
             policy_trace=trace,
         )
     return result.model_copy(update={"policy_trace": trace, "failure": failure})
+
+
+def flag_unrelayed_turns(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
+    """List the sample's assistant turns that no call in ``trace`` produced (see above)."""
+    sample = result.sample
+    if sample is None or not (unseen := trace.unrelayed_turns(sample.messages)):
+        return result
+    log.warning(
+        "rollout %s: %d assistant turn(s) did not come through the relay (a direct provider "
+        "call bypasses the rollout context), so they cannot be trained on",
+        result.rollout_id,
+        len(unseen),
+    )
+    extra = {**sample.extra_fields, UNRELAYED_FIELD: unseen}
+    return result.model_copy(update={"sample": sample.model_copy(update={"extra_fields": extra})})

@@ -49,10 +49,16 @@ def build_environment_config(environment: str, base: EnvironmentConfig | None) -
 
     ``base`` (the user's ``environment_config``) is copied; when it names no environment
     itself, ``environment`` does: ``"local"``, ``"skypilot"``, any Harbor environment type
-    (``"docker"``, ``"modal"``, ...) or an import path ``"module:Class"``.
+    (``"docker"``, ``"modal"``, ...) or an import path ``"module:Class"``. Harbor fills in
+    ``type="docker"`` for a config naming neither, so docker in ``base`` counts only when it
+    comes with ``environment="docker"``: ``environment_config=EnvironmentConfig(kwargs=...)``
+    alone keeps the local sandbox.
     """
     config = base.model_copy(deep=True) if base is not None else EnvironmentConfig(type=None)
-    if base is not None and {"type", "import_path"} & base.model_fields_set:
+    if base is not None and (
+        base.import_path is not None
+        or (base.type is not None and base.type is not EnvironmentType.DOCKER)
+    ):
         return config
     if environment == "local":
         return config.model_copy(update={"type": None, "import_path": LOCAL_SANDBOX})

@@ -24,7 +24,6 @@ import anyio
 from harbor.agents.base import BaseAgent
 from harbor.agents.factory import AgentFactory
 from harbor.agents.installed.base import BaseInstalledAgent
-from harbor.models.task.config import TaskConfig as HarborTaskConfig
 from harbor.models.trial.config import (
     AgentConfig,
     EnvironmentConfig,
@@ -84,7 +83,6 @@ class TrialSettings:
     retention: Retention
     local_sandbox: bool
     active_trials: set[str] = field(default_factory=set)
-    _storage_limited: dict[Path, bool] = field(default_factory=dict)
     _agent_class: type[BaseAgent] | None = None
 
     def agent_class(self) -> type[BaseAgent]:
@@ -94,22 +92,6 @@ class TrialSettings:
                 AgentConfig(name=self.agent.name, import_path=self.agent.import_path)
             )
         return self._agent_class
-
-    def binds_logs(self, task_dir: Path) -> bool:
-        """Whether the local sandbox binds the trial's /logs to the host (Harbor's mounted mode).
-
-        It spares a download of each log directory per trial, unless the user chose for
-        themselves, or the task's storage_mb limit would not cover files written there.
-        """
-        env = self.environment
-        if not self.local_sandbox or "auto_mounting" in env.kwargs:
-            return False
-        if task_dir not in self._storage_limited:
-            config = HarborTaskConfig.model_validate_toml((task_dir / "task.toml").read_text())
-            limited = config.environment.storage_mb is not None or env.override_storage_mb
-            enforced = str(env.kwargs.get("enforce_storage", True)).lower() not in ("false", "0")
-            self._storage_limited[task_dir] = bool(limited and enforced)
-        return not self._storage_limited[task_dir]
 
 
 class TrialFailed(RolloutError):
@@ -259,9 +241,10 @@ class TrialPhases(RolloutPhases):
 
     def _trial_config(self) -> TrialConfig:
         settings = self.settings
+        # Never auto_mounting by default: a bound /logs lets the sandbox plant symlinks and
+        # sparse files that Harbor then reads (or writes) on the host as root; downloads are
+        # the checked, bounded path.
         environment = settings.environment.model_copy(deep=True)
-        if settings.binds_logs(self.task_dir):
-            environment.kwargs["auto_mounting"] = True
         return TrialConfig(
             task=TaskConfig(path=self.task_dir),
             trial_name=self.trial_name,

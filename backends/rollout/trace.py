@@ -7,10 +7,13 @@ stack.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from backends.rollout.replies import match_replies
 
 
 class CallError(StrEnum):
@@ -122,6 +125,16 @@ class RolloutTrace(BaseModel):
                     message=_failure_message(call),
                 )
         return None
+
+    def unrelayed_turns(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Indexes (among ``messages``) of assistant turns that no call of this trace answered."""
+        replies = [c.choices[0].message if c.choices else None for c in self.calls]
+        matches = iter(match_replies(messages, replies))
+        return [
+            i
+            for i, message in enumerate(messages)
+            if message.get("role") == "assistant" and next(matches) is None
+        ]
 
     @property
     def scripted(self) -> bool:
