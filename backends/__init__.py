@@ -5,6 +5,7 @@ rollouts from Python (``collect``/``run_batch``), the command line (``backends r
 trainer over HTTP (``create_rollout_server``).
 """
 
+from backends.harbor import HarborBackend
 from backends.local import LocalBackend
 from backends.rollout import (
     AgentWorkflow,
@@ -20,12 +21,15 @@ from backends.rollout import (
     GraderConfig,
     GraderContext,
     Phase,
+    PolicyRoute,
     RolloutContext,
+    RolloutError,
     RolloutFailure,
     RolloutRequest,
     RolloutResult,
     RolloutSample,
     RolloutStatus,
+    RolloutTrace,
     SampleSource,
     collect,
     get_rollout_context,
@@ -63,17 +67,21 @@ __all__ = [
     "Grader",
     "GraderConfig",
     "GraderContext",
+    "HarborBackend",
     "LocalBackend",
     "Phase",
+    "PolicyRoute",
     "Relay",
     "RelayedBackend",
     "RolloutClient",
     "RolloutContext",
+    "RolloutError",
     "RolloutFailure",
     "RolloutRequest",
     "RolloutResult",
     "RolloutSample",
     "RolloutStatus",
+    "RolloutTrace",
     "SampleSource",
     "collect",
     "create_rollout_server",

@@ -3,18 +3,21 @@
 The inner backend (and the agent inside it) sees only the relay route and a token valid for
 this one rollout while it runs; the trainer's endpoint and key stay in the relay. When the
 rollout ends its token is revoked and the relay's trace (every call, with token ids and
-logprobs when the upstream returned them) is attached to the result.
+logprobs when the upstream returned them) is the result's ``policy_trace``. The backend gets
+the route typed (``RolloutRequest.policy_route``): host URL, token, and the relay's socket and
+advertised URL for agents inside sandboxes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import anyio
 
-from backends.relay import Relay, RolloutTrace
-from backends.rollout.backend import CancelDisposition, ExecutionBackend
+from backends.relay import Grant, Relay, RolloutTrace
+from backends.rollout.backend import CancelDisposition, ExecutionBackend, start_backend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
 from backends.rollout.request import (
     POLICY_TRACE_FIELD,
@@ -22,8 +25,13 @@ from backends.rollout.request import (
     RolloutResult,
     RolloutStatus,
 )
+from backends.rollout.route import PolicyRoute
 
-TRACE_FIELD = POLICY_TRACE_FIELD
+TRACE_FIELD = POLICY_TRACE_FIELD  # the trace's key in a result's JSON form
+# Where a sample lists its assistant turns (message indexes) that no relayed call produced.
+UNRELAYED_FIELD = "unrelayed_assistant_turns"
+
+log = logging.getLogger(__name__)
 
 
 class RelayedBackend:
@@ -52,9 +60,15 @@ class RelayedBackend:
                 ),
             )
         # Like the reference protocol, the URL is the OpenAI base URL (clients append
-        # /chat/completions); RolloutContext.base_url accepts either form.
+        # /chat/completions); RolloutContext.base_url accepts either form. The upstream's URL
+        # and key go no further than the relay.
+        route = policy_route(self.relay, grant)
         routed = request.model_copy(
-            update={"chat_completions_url": grant.base_url, "api_key": grant.token}
+            update={
+                "chat_completions_url": route.base_url,
+                "api_key": route.api_key,
+                "policy_route": route,
+            }
         )
         try:
             result = await self.backend.execute(routed)
@@ -64,6 +78,9 @@ class RelayedBackend:
             with anyio.CancelScope(shield=True):
                 trace = await self.relay.aend(rid)
         return attach_trace(result, trace)
+
+    async def start(self) -> None:
+        await start_backend(self.backend)
 
     def status(self, rollout_id: str) -> RolloutStatus | None:
         return self.backend.status(rollout_id)
@@ -89,6 +106,18 @@ class RelayedBackend:
         return getattr(self.backend, name)
 
 
+def policy_route(relay: Relay, grant: Grant) -> PolicyRoute:
+    """The route of ``grant``'s rollout: the relay's TCP URL, its socket and advertised URL."""
+    return PolicyRoute(
+        rollout_id=grant.rollout_id,
+        base_url=grant.base_url,
+        api_key=grant.token,
+        relay_path=grant.path,
+        relay_socket=relay.unix_socket_path,
+        advertised_url=relay.advertised_url,
+    )
+
+
 def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     """Put the trace on the result; blame the policy when it, not the agent, failed.
 
@@ -97,8 +126,12 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     The second is a failure too: its reward would score a trajectory the policy never
     completed (a dead endpoint would otherwise train as reward 0). The sample is kept for
     diagnosis, without a reward.
+
+    Assistant turns the relay never answered (a direct provider call, text the agent wrote
+    itself) are listed in ``sample.extra_fields["unrelayed_assistant_turns"]``: the trainer has
+    no tokens of its policy for them.
     """
-    extra = {**result.extra_fields, TRACE_FIELD: trace.model_dump(mode="json")}
+    result = flag_unrelayed_turns(result, trace)
     failure = result.failure
     policy = trace.policy_failure()
     if policy is not None and failure is not None and failure.category is ErrorCategory.AGENT_ERROR:
@@ -124,6 +157,22 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
             unanswered,
             sample=result.sample,
             timings=result.timings,
-            extra_fields=extra,
+            extra_fields=result.extra_fields,
+            policy_trace=trace,
         )
-    return result.model_copy(update={"extra_fields": extra, "failure": failure})
+    return result.model_copy(update={"policy_trace": trace, "failure": failure})
+
+
+def flag_unrelayed_turns(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
+    """List the sample's assistant turns that no call in ``trace`` produced (see above)."""
+    sample = result.sample
+    if sample is None or not (unseen := trace.unrelayed_turns(sample.messages)):
+        return result
+    log.warning(
+        "rollout %s: %d assistant turn(s) did not come through the relay (a direct provider "
+        "call bypasses the rollout context), so they cannot be trained on",
+        result.rollout_id,
+        len(unseen),
+    )
+    extra = {**sample.extra_fields, UNRELAYED_FIELD: unseen}
+    return result.model_copy(update={"sample": sample.model_copy(update={"extra_fields": extra})})

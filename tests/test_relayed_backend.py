@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from openai import AsyncOpenAI
 from policy_support import SEEN, AskPolicy, Exact, completion, policy_server
 
 from backends import (
@@ -19,7 +20,7 @@ from backends import (
     RolloutStatus,
 )
 from backends.relay import Relay
-from backends.relayed import TRACE_FIELD, RelayedBackend
+from backends.relayed import UNRELAYED_FIELD, RelayedBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -60,7 +61,8 @@ async def test_agent_sees_only_its_route_and_the_trace_comes_back(
         assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0
         assert SEEN["url"].startswith(relay.base_url) and "/rollouts/r1/" in SEEN["url"] + "/"
         assert UPSTREAM_KEY not in json.dumps(SEEN)
-        trace = result.extra_fields[TRACE_FIELD]
+        assert result.policy_trace is not None
+        trace = result.policy_trace.model_dump(mode="json")
         assert [c["upstream_status"] for c in trace["calls"]] == [200]
         assert trace["calls"][0]["usage"]["completion_tokens"] == 1
         # The token died with the rollout.
@@ -123,7 +125,8 @@ async def test_a_swallowed_policy_failure_withholds_the_reward(
     req = request("r4", "start", upstream).model_copy(update={"metadata": {"questions": questions}})
     async with Relay() as relay:
         result = await RelayedBackend(backend, relay).execute(req)
-    trace = result.extra_fields[TRACE_FIELD]
+    assert result.policy_trace is not None
+    trace = result.policy_trace.model_dump(mode="json")
     assert trace["calls"], result.failure
     assert [c["upstream_status"] for c in trace["calls"]] == [
         502 if q == "fail" else 200 for q in questions
@@ -139,3 +142,35 @@ async def test_a_swallowed_policy_failure_withholds_the_reward(
         assert result.sample.messages[-1]["content"] == "I could not reach the model"
     else:
         assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0
+
+
+class AlsoAsksAProviderDirectly(AskPolicy):
+    """Asks through the rollout context, then calls a provider at a fixed URL, as the seeds warn
+    against: the second answer never passes the relay."""
+
+    async def run(self, ctx: Any) -> Any:
+        messages = await super().run(ctx)
+        direct = AsyncOpenAI(base_url=ctx.metadata["direct_url"], api_key=UPSTREAM_KEY)
+        async with direct:
+            reply = await direct.chat.completions.create(model="gpt", messages=messages)
+        return [*messages, reply.choices[0].message.model_dump(exclude_none=True)]
+
+
+async def test_assistant_turns_the_relay_never_saw_are_flagged(
+    upstream: str, tmp_path: Path
+) -> None:
+    backend = LocalBackend(workflow=AlsoAsksAProviderDirectly, artifacts_root=tmp_path)
+    req = request("r5", "6 * 7?", upstream).model_copy(
+        update={"metadata": {"direct_url": upstream}, "grade": False}
+    )
+    async with Relay() as relay:
+        result = await RelayedBackend(backend, relay).execute(req)
+        clean = await RelayedBackend(
+            LocalBackend(workflow=AskPolicy, artifacts_root=tmp_path), relay
+        ).execute(request("r6", "6 * 7?", upstream).model_copy(update={"grade": False}))
+    assert result.status is RolloutStatus.SUCCESS and result.sample is not None
+    # Both answers read "42"; only the first was sampled through the relay (message 1), the
+    # direct one (message 2) was not, so the trainer has no policy tokens for it.
+    assert [m["role"] for m in result.sample.messages] == ["user", "assistant", "assistant"]
+    assert result.sample.extra_fields[UNRELAYED_FIELD] == [2]
+    assert clean.sample is not None and UNRELAYED_FIELD not in clean.sample.extra_fields

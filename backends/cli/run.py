@@ -33,7 +33,7 @@ from rich.table import Table
 from backends.cli.results import ResultsFile, ResultsFileError
 from backends.relay import Relay
 from backends.relay.scripted import ScriptedPolicy
-from backends.relayed import TRACE_FIELD, RelayedBackend
+from backends.relayed import RelayedBackend
 from backends.rollout.artifacts import ENV_HOME, default_rollout_root
 from backends.rollout.backend import ExecutionBackend
 from backends.rollout.batch import run_batch
@@ -259,8 +259,7 @@ class _Run:
             self.stray.append(result.rollout_id)
             order = self.started + len(self.stray)
         self.results += 1
-        trace = result.extra_fields.get(TRACE_FIELD) or {}
-        calls = len(trace.get("calls", []))
+        calls = len(result.policy_trace.calls) if result.policy_trace else 0
         self.policy_calls += calls
         failure = result.failure
         if failure is not None:

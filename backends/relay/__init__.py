@@ -64,7 +64,8 @@ shipped default script computes ``What is A * B`` style questions. Its answers c
 from backends.relay.scripted import Script, ScriptedPolicy
 from backends.relay.service import Relay, RelayCore
 from backends.relay.tokens import Grant, UnknownRolloutError
-from backends.relay.trace import (
+from backends.relay.upstream import RelaySettings
+from backends.rollout.trace import (
     CallError,
     CallRecord,
     ChoiceRecord,
@@ -72,7 +73,6 @@ from backends.relay.trace import (
     RolloutTrace,
     policy_failure,
 )
-from backends.relay.upstream import RelaySettings
 
 __all__ = [
     "CallError",

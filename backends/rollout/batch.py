@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 import anyio
 from anyio.abc import ObjectReceiveStream
 
-from backends.rollout.backend import ExecutionBackend
+from backends.rollout.backend import ExecutionBackend, start_backend
 from backends.rollout.errors import (
     ErrorCategory,
     Phase,
@@ -33,7 +33,8 @@ async def run_batch(
     rollout never hides the others. At most ``max_in_flight`` rollouts are running or waiting
     to be read. Leaving the block early cancels what is still running. If ``requests`` raises,
     feeding stops, the rollouts already started are still yielded, and then its exception is
-    raised as is (as is an exception raised by the consumer).
+    raised as is (as is an exception raised by the consumer). The backend's ``start`` is
+    awaited first; its exception is raised before any rollout starts.
 
         async with run_batch(backend, requests, max_in_flight=16) as results:
             async for result in results:
@@ -41,6 +42,7 @@ async def run_batch(
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    await start_backend(backend)  # warm-up before the first rollout (idempotent)
     # No buffer: a finished result keeps its slot until the consumer takes it, so at most
     # max_in_flight rollouts are running or waiting to be read.
     send, receive = anyio.create_memory_object_stream[RolloutResult](max_buffer_size=0)

@@ -1,14 +1,16 @@
-"""The failure taxonomy: one exception class per kind of failure, mapped once to a category.
+"""The failure taxonomy: one exception root, one class per kind of failure, one table.
 
-Callers catch exactly what they can handle; ``classify`` turns any exception raised while a
-rollout runs into the ``RolloutFailure`` its result carries.
+``RolloutError`` is the root of our own errors. ``CATEGORIES`` maps exception classes (ours and
+the lower layers': sandbox, OpenAI client) to a category once; ``RETRYABLE`` says which
+categories a fresh attempt may fix. ``classify`` turns any exception raised while a rollout runs
+into the ``RolloutFailure`` its result carries, and ``RolloutFailure.retryable`` is what an
+infrastructure retry reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 from enum import StrEnum
-from typing import ClassVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
@@ -45,86 +47,129 @@ class RolloutFailure(BaseModel):
     phase: Phase
     message: str
 
+    @property
+    def retryable(self) -> bool:
+        """A fresh attempt may succeed (``RETRYABLE``): an infrastructure fault, not the agent's."""
+        return self.category in RETRYABLE
+
 
 class RolloutError(Exception):
-    """Base of every error this package raises about a rollout."""
+    """Root of every error this project raises about a rollout. Its category comes from
+    ``CATEGORIES``, and ``retryable`` from ``RETRYABLE``."""
 
-    category: ClassVar[ErrorCategory] = ErrorCategory.INTERNAL_ERROR
-    retryable: ClassVar[bool] = False
+    @property
+    def category(self) -> ErrorCategory:
+        return category_of(self) or ErrorCategory.INTERNAL_ERROR
+
+    @property
+    def retryable(self) -> bool:
+        return self.category in RETRYABLE
 
 
 class RolloutValidationError(RolloutError, ValueError):
     """The request, the workflow's return value or the grader's reward has the wrong shape."""
 
-    category = ErrorCategory.VALIDATION_ERROR
+
+class InfrastructureError(RolloutError):
+    """The machinery around the rollout failed (sandbox, bundle, host); a fresh attempt may
+    succeed."""
+
+
+class AgentError(RolloutError):
+    """The agent (a workflow, or a Harbor agent in its sandbox) failed."""
 
 
 class PolicyError(RolloutError):
     """The policy endpoint failed: an upstream 5xx, a timeout, a refused connection."""
 
-    category = ErrorCategory.POLICY_ERROR
-
-
-class InfrastructureError(RolloutError):
-    """The machinery around the rollout failed; a fresh attempt may succeed."""
-
-    category = ErrorCategory.INFRA_ERROR
-    retryable = True
-
-
-class SandboxError(InfrastructureError):
-    """A sandbox could not be created, reached or torn down."""
-
 
 class VerifierError(RolloutError):
     """The grader or verifier ran but produced no usable reward."""
-
-    category = ErrorCategory.VERIFIER_ERROR
 
 
 class RolloutTimeoutError(RolloutError, TimeoutError):
     """A deadline (agent or grader) passed."""
 
-    category = ErrorCategory.TIMEOUT
-
 
 class RolloutCancelledError(RolloutError):
     """The rollout was cancelled by its caller."""
 
-    category = ErrorCategory.CANCELLED
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-class UnknownRolloutError(RolloutError, KeyError):
-    """No rollout with that id is known."""
+# The one table from exception classes to categories, by qualified name so this module imports
+# none of the lower layers it names. The nearest class in an exception's MRO wins.
+CATEGORIES: dict[str, ErrorCategory] = {
+    _name(RolloutError): ErrorCategory.INTERNAL_ERROR,
+    _name(RolloutValidationError): ErrorCategory.VALIDATION_ERROR,
+    _name(InfrastructureError): ErrorCategory.INFRA_ERROR,
+    _name(AgentError): ErrorCategory.AGENT_ERROR,
+    _name(PolicyError): ErrorCategory.POLICY_ERROR,
+    _name(VerifierError): ErrorCategory.VERIFIER_ERROR,
+    _name(RolloutTimeoutError): ErrorCategory.TIMEOUT,
+    _name(RolloutCancelledError): ErrorCategory.CANCELLED,
+    "builtins.TimeoutError": ErrorCategory.TIMEOUT,
+    # The sandbox layer: a task it cannot run is the request's fault, anything else is infra.
+    "backends.sandbox.errors.SandboxError": ErrorCategory.INFRA_ERROR,
+    "backends.sandbox.errors.UnsupportedTaskError": ErrorCategory.VALIDATION_ERROR,
+    "backends.sandbox.errors.SandboxPathError": ErrorCategory.VALIDATION_ERROR,
+    "backends.sandbox.errors.BaseImageNotFoundError": ErrorCategory.VALIDATION_ERROR,
+    "backends.sandbox.errors.UnsupportedInstructionError": ErrorCategory.VALIDATION_ERROR,
+    "backends.sandbox.errors.ExecTimeoutError": ErrorCategory.TIMEOUT,
+    # The OpenAI client failing to reach the policy (other statuses: see _is_policy_failure).
+    "openai.APIConnectionError": ErrorCategory.POLICY_ERROR,
+    "openai.APITimeoutError": ErrorCategory.POLICY_ERROR,
+    "openai.InternalServerError": ErrorCategory.POLICY_ERROR,
+}
 
-    category = ErrorCategory.VALIDATION_ERROR
+# Categories where a fresh attempt (a new sandbox, a new relay registration) may succeed.
+RETRYABLE: frozenset[ErrorCategory] = frozenset({ErrorCategory.INFRA_ERROR})
+
+
+def category_of(exc: BaseException) -> ErrorCategory | None:
+    """The category ``CATEGORIES`` gives ``exc``'s nearest listed class, else ``None``."""
+    for cls in type(exc).__mro__:
+        category = CATEGORIES.get(_name(cls))
+        if category is None and cls.__module__.startswith("openai."):
+            category = CATEGORIES.get(f"openai.{cls.__qualname__}")  # openai._exceptions.X
+        if category is not None:
+            return category
+    return None
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a fresh attempt may succeed where ``exc`` failed (infrastructure faults)."""
+    return category_of(exc) in RETRYABLE
 
 
 def classify(exc: BaseException, phase: Phase) -> RolloutFailure:
     """Map an exception raised during ``phase`` to the failure the result reports.
 
-    Our own errors carry their category. A bare ``TimeoutError`` is a timeout. Errors that the
-    OpenAI client raises for a failing endpoint are policy errors. Anything else raised by user
-    code is that phase's own failure: an agent error, or a verifier error while grading.
+    ``CATEGORIES`` decides first (our errors, a bare ``TimeoutError``, the sandbox layer, the
+    OpenAI client's connection errors); then any 5xx the OpenAI client raises is a policy
+    error. Anything else is that phase's own failure: a verifier error while grading, an infra
+    error while setting up, an agent error otherwise.
     """
-    if isinstance(exc, RolloutError):
-        category = exc.category
-    elif isinstance(exc, TimeoutError):
-        category = ErrorCategory.TIMEOUT
-    elif _is_policy_failure(exc):
+    category = category_of(exc)
+    if category is None and _is_policy_failure(exc):
         category = ErrorCategory.POLICY_ERROR
-    elif phase is Phase.AGENT and _is_output_refused(exc):
+    if category is None and phase is Phase.AGENT and _is_output_refused(exc):
         category = ErrorCategory.VALIDATION_ERROR
-    elif phase is Phase.GRADING:
-        category = ErrorCategory.VERIFIER_ERROR
-    elif phase is Phase.SETUP:
-        category = ErrorCategory.INFRA_ERROR
-    else:
-        category = ErrorCategory.AGENT_ERROR
+    if category is None:
+        category = _PHASE_DEFAULT[phase]
     message = describe(exc)
     if category is ErrorCategory.VALIDATION_ERROR and isinstance(exc, ValidationError):
         message = f"{exc.title}: {validation_summary(exc)}"
     return RolloutFailure(category=category, phase=phase, message=message)
+
+
+_PHASE_DEFAULT = {
+    Phase.SETUP: ErrorCategory.INFRA_ERROR,
+    Phase.AGENT: ErrorCategory.AGENT_ERROR,
+    Phase.GRADING: ErrorCategory.VERIFIER_ERROR,
+}
 
 
 def describe(exc: BaseException) -> str:
@@ -143,14 +188,9 @@ def _is_output_refused(exc: BaseException) -> bool:
 
 
 def _is_policy_failure(exc: BaseException) -> bool:
-    # Recognised by the client library's exception types, without importing it: a 5xx status,
-    # a connection failure or a client-side timeout from the model endpoint.
-    module = type(exc).__module__ or ""
-    if not module.startswith("openai"):
+    # An OpenAI client status error with a 5xx status, recognised without importing it.
+    if not (type(exc).__module__ or "").startswith("openai"):
         return False
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    if names & {"APIConnectionError", "APITimeoutError", "InternalServerError"}:
-        return True
     status = getattr(exc, "status_code", None)
     return isinstance(status, int) and status >= 500
 

@@ -7,10 +7,21 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
+from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import MessageDict, RolloutSample, check_messages
+from backends.rollout.trace import RolloutTrace
 
 # One path segment: usable in URLs and as a directory name, never "." or "..".
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
@@ -38,7 +49,9 @@ class RolloutRequest(BaseModel):
 
     ``label`` (the ground truth) reaches only the grader. ``chat_completions_url`` and
     ``api_key`` name the policy endpoint the trainer serves for this rollout; sandboxed
-    backends hand the agent a relay route instead, never the key itself.
+    backends hand the agent a relay route instead, never the key itself. ``policy_route`` is
+    that route when a relay serves the rollout (set by ``RelayedBackend``, never serialized);
+    backends read ``PolicyRoute.of(request)``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -53,6 +66,7 @@ class RolloutRequest(BaseModel):
     chat_completions_url: str | None = None
     api_key: str | None = None
     extra_fields: dict[str, Any] = Field(default_factory=dict)
+    policy_route: PolicyRoute | None = Field(default=None, exclude=True, repr=False)
 
     @field_validator("rollout_id")
     @classmethod
@@ -83,7 +97,7 @@ class RolloutStatus(StrEnum):
         return self in {RolloutStatus.SUCCESS, RolloutStatus.FAILURE, RolloutStatus.CANCELLED}
 
 
-# Where RelayedBackend puts the relay's trace of a rollout's policy calls on its result.
+# Where a result's policy trace sits in its JSON form (``extra_fields``), as it always has.
 POLICY_TRACE_FIELD = "policy_trace"
 
 
@@ -92,6 +106,9 @@ class RolloutResult(BaseModel):
 
     ``failure`` says which phase failed and why; a failed or cancelled rollout never carries a
     reward (``reward`` is ``None``, not 0), though its sample may be kept for diagnosis.
+    ``policy_trace`` is the relay's record of the rollout's policy calls (relayed rollouts
+    only); in the JSON form it sits at ``extra_fields["policy_trace"]``, where files written
+    before it was typed have it too.
     """
 
     rollout_id: str
@@ -100,6 +117,30 @@ class RolloutResult(BaseModel):
     failure: RolloutFailure | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     extra_fields: dict[str, Any] = Field(default_factory=dict)
+    policy_trace: RolloutTrace | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trace_from_extra_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(extra := data.get("extra_fields"), dict):
+            if POLICY_TRACE_FIELD in extra and data.get("policy_trace") is None:
+                extra = dict(extra)
+                data = {
+                    **data,
+                    "extra_fields": extra,
+                    "policy_trace": extra.pop(POLICY_TRACE_FIELD),
+                }
+        return data
+
+    @model_serializer(mode="wrap")
+    def _trace_into_extra_fields(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> Any:
+        data = handler(self)
+        if self.policy_trace is not None and isinstance(data, dict) and "extra_fields" in data:
+            trace = self.policy_trace.model_dump(mode=info.mode)
+            data["extra_fields"] = {**data["extra_fields"], POLICY_TRACE_FIELD: trace}
+        return data
 
     @property
     def reward(self) -> float | None:

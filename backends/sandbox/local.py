@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import re
 import shlex
-import signal
 import sys
 import tempfile
 import uuid
@@ -27,7 +26,7 @@ from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.paths import EnvironmentPaths
 
-from backends.sandbox import layers, transfer
+from backends.sandbox import layers, transfer, unpack
 from backends.sandbox.cgroups import Limits
 from backends.sandbox.errors import SandboxNotRunningError, SandboxPathError, UnsupportedTaskError
 from backends.sandbox.launcher import Bind
@@ -66,6 +65,21 @@ def _parse_binds(raw: Iterable[Any] | str | None) -> list[Bind]:
         if not b.source.exists():
             raise FileNotFoundError(f"bind source {b.source} does not exist on the host")
     return binds
+
+
+def _host_mount_binds(mounts: Iterable[Any]) -> list[Bind]:
+    """Harbor's host mounts (the trial's /logs when auto_mounting, user mounts) as binds."""
+    binds = []
+    for mount in mounts:
+        if mount.get("type") != "bind":
+            raise UnsupportedTaskError(
+                f"mount {mount.get('target')!r} is of type {mount.get('type')!r}: local "
+                "sandboxes bind host directories only"
+            )
+        binds.append(
+            Bind(Path(mount["source"]), str(mount["target"]), bool(mount.get("read_only")))
+        )
+    return _parse_binds(binds)
 
 
 DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
@@ -109,11 +123,23 @@ class LocalSandbox(BaseEnvironment):
       drained, dropped, and reported at the end of its stderr.
 
     - `shm_size_mb`: size of /dev/shm (default: the task's memory_mb, else 64).
-    - `max_download_bytes`: the largest archive a download may produce (default: the disk
-      limit plus 64 MiB when `storage_mb` is set, else 16 GiB); larger is an error.
+    - `max_download_bytes`: the most one download may bring to the host, both as archive
+      bytes and as the files' apparent sizes (a sparse file counts at its full size; default:
+      the disk limit plus 64 MiB when `storage_mb` is set, else 16 GiB); more is an error.
+      Files that host tools read whole have a fixed limit of their own, whatever this is:
+      reward.txt and reward.json 1 MiB, trajectory.json and ctrf.json 64 MiB
+      (`backends.sandbox.unpack.PARSED_FILE_LIMITS`).
     - `enforce_storage`: True (default) enforces the task's `storage_mb` (the sandbox writes
       into a sparse ext4 image that size; past it, ENOSPC); False runs without a disk limit,
       for hosts without loop devices.
+    - `auto_mounting` (Harbor's own switch): True binds the trial's /logs/agent,
+      /logs/verifier and /logs/artifacts to its host directories, as Harbor's mounted
+      environments do, sparing a download per directory. Refused with an enforced
+      `storage_mb`: files written there would escape the disk limit. It trusts the sandbox
+      with those host directories: whatever root inside plants there (a symlink to a host
+      file, a sparse 1 TiB reward.txt) is what host-side readers such as Harbor's verifier
+      open, unchecked and unbounded, so use it only for trusted agents. Harbor's `mounts`
+      (bind type) are bound likewise.
 
     Not supported, and refused at construction with an error naming it: GPUs and TPUs,
     network allowlists, docker-compose environments, Windows.
@@ -162,6 +188,9 @@ class LocalSandbox(BaseEnvironment):
             raise ValueError(f"max_output_bytes must be >= 0, not {max_output_bytes!r}")
         self._box: BwrapSandbox | None = None
         self._image: layers.Image | None = None
+        # Harbor's command line passes the flag as a string.
+        kwargs["auto_mounting"] = _flag(kwargs.get("auto_mounting", False), "auto_mounting")
+        self._binds_host_paths = kwargs["auto_mounting"] or bool(kwargs.get("mounts"))
         super().__init__(
             environment_dir,
             environment_name,
@@ -178,6 +207,12 @@ class LocalSandbox(BaseEnvironment):
                 "can give no network or the host's network, nothing in between"
             )
         storage = self._effective_storage_mb if self._enforce_storage else None
+        self._host_binds = _host_mount_binds(self._host_mounts)
+        if storage and self.auto_mounting:
+            raise ValueError(
+                "auto_mounting binds /logs to the host, outside the task's storage_mb limit: "
+                "turn one of them off (enforce_storage=False to drop the limit)"
+            )
         if max_download_bytes is not None:
             self._max_download = int(max_download_bytes)
         elif storage:
@@ -201,7 +236,8 @@ class LocalSandbox(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        return EnvironmentCapabilities(disable_internet=True)
+        # Mounted only when asked to: Harbor then derives the /logs binds from trial_paths.
+        return EnvironmentCapabilities(disable_internet=True, mounted=self._binds_host_paths)
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
@@ -244,7 +280,7 @@ class LocalSandbox(BaseEnvironment):
         return await anyio.to_thread.run_sync(layers.base_image, image)
 
     def _binds(self) -> list[Bind]:
-        binds = list(self._extra_binds)
+        binds = [*self._extra_binds, *self._host_binds]
         if self._relay_socket is not None:
             if not self._relay_socket.exists():
                 raise FileNotFoundError(f"relay socket {self._relay_socket} does not exist")
@@ -412,18 +448,19 @@ class LocalSandbox(BaseEnvironment):
         box = self._require()
         limit = self._max_download
         with tempfile.TemporaryFile() as archive:
-            # The archive is written by sandbox code (root inside decides what `tar` is): its
-            # size is capped by the spawner and its time by a timeout, so a sandbox cannot
-            # fill the host's disk or hold the caller forever through a download.
+            # The archive is written by sandbox code (root inside decides what `tar` is): the
+            # host copies it from a pipe, capped, and closes the pipe when the call ends, so
+            # nothing inside can fill the host's disk or write into the file afterwards; a
+            # timeout bounds how long a sandbox can hold the caller.
             res = await box.run(
                 argv,
                 user=await box.resolve_user(0),
                 stdout=archive,
                 timeout=TRANSFER_TIMEOUT_SEC,
-                max_file_bytes=limit,
+                output_limit=limit,
             )
-            if res.return_code == 128 + signal.SIGXFSZ:
-                raise OSError(
+            if res.stdout_dropped:
+                raise unpack.DownloadTooLargeError(
                     f"cannot download {what}: larger than {limit} bytes (max_download_bytes)"
                 )
             if res.return_code != 0:
@@ -433,9 +470,14 @@ class LocalSandbox(BaseEnvironment):
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy one sandbox file (symlinks followed inside the sandbox) to a host path.
 
+        The host file gets the mode bits masked to 0755 at most (no setuid, no group or
+        world write), like every downloaded entry.
+
         Raises:
             FileNotFoundError: no such file in the sandbox. SandboxPathError: bad path.
             IsADirectoryError: the source is a directory. OSError: not a regular file.
+            DownloadTooLargeError (an OSError): past `max_download_bytes`, or past the
+            limit of a file host tools read whole (reward.txt, ...).
         """
         source = transfer.sandbox_path(source_path, self.workdir)
         parent, name = source.rsplit("/", 1)
@@ -443,24 +485,30 @@ class LocalSandbox(BaseEnvironment):
         await self._tar_out(
             ["tar", "-c", "--sparse", "-h", "-C", parent or "/", "-f", "-", name],
             source,
-            lambda archive: transfer.safe_extract(
-                archive, target.parent, rename_single=target.name
+            lambda archive: unpack.into(
+                archive, target.parent, max_bytes=self._max_download, rename_single=target.name
             ),
         )
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         """Copy a sandbox directory's contents into a host directory (modes, symlinks kept).
 
+        Modes are masked to 0755 at most; symlinks resolving outside `target_dir` are
+        skipped; entries of `target_dir` the download does not overwrite are left alone. A
+        failed download removes what it had created.
+
         Raises:
             FileNotFoundError: no such directory. SandboxPathError: a member would land
-            outside `target_dir` (for example through a symlink the sandbox planted).
+            outside `target_dir` or go through a symlink (as a crafted archive would), or
+            would replace a directory. DownloadTooLargeError (an OSError): past
+            `max_download_bytes`, or past the limit of a file host tools read whole.
         """
         source = transfer.sandbox_path(source_dir, self.workdir)
         target = Path(target_dir)
         await self._tar_out(
             ["tar", "-c", "--sparse", "-C", source, "-f", "-", "."],
             source,
-            lambda archive: transfer.safe_extract(archive, target),
+            lambda archive: unpack.into(archive, target, max_bytes=self._max_download),
         )
 
 

@@ -263,15 +263,16 @@ class BwrapSandbox:
         stdout: BinaryIO | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - mirrors Harbor's exec(timeout_sec)
         output_limit: int = OUTPUT_LIMIT,
-        max_file_bytes: int | None = None,
     ) -> RunResult:
         """Run argv inside the sandbox and collect its exit code and output.
 
-        `stdin` and `stdout` may be real files (with a descriptor): the command then reads or
-        writes them directly, and nothing passes through memory. Collected output keeps at
-        most `output_limit` bytes per stream; the rest is drained and counted as dropped.
-        `max_file_bytes` caps each file the command writes (a `stdout` file included): past
-        it the command is killed by SIGXFSZ (exit 153).
+        `stdin` may be a real file (with a descriptor): the command reads it from its start
+        through a read-only descriptor of its own, so nothing inside can write to it. With a
+        `stdout` file, the host copies the command's output from a pipe into it, at most
+        `output_limit` bytes: past that the command is killed and `stdout_dropped` is set;
+        once the call returns the pipe is closed, so nothing inside (a daemon handed the
+        pipe) can write into the file. Collected output keeps at most `output_limit` bytes
+        per stream; the rest is drained and counted as dropped.
         A non-zero exit is an ordinary result. On timeout or cancellation the command's whole
         process tree (including anything it daemonized) is killed.
 
@@ -286,17 +287,16 @@ class BwrapSandbox:
         self.cgroup.new_exec_group(group)
         full_env = {"PATH": DEFAULT_PATH, **self.spec.env, "HOME": user.home, **(env or {})}
         # The spawner gets copies of the child's ends, so ours are always closed after spawn.
-        if stdout is not None:
-            out_r, out_w = None, os.dup(stdout.fileno())
-        else:
-            out_r, out_w = os.pipe()
+        out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         feed: bytes | None = None
         if isinstance(stdin, bytes):
             in_r, in_w = os.pipe()
             feed = stdin
         elif stdin is not None:
-            in_r, in_w = os.dup(stdin.fileno()), None
+            # A description of its own, read-only: a dup would let a daemon grow the file.
+            in_r = os.open(f"/proc/self/fd/{stdin.fileno()}", os.O_RDONLY | os.O_CLOEXEC)
+            in_w = None
         else:
             in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
         ours = _Fds(out_r, err_r, in_w)
@@ -309,7 +309,6 @@ class BwrapSandbox:
                     cgroup_procs=self.cgroup.procs_files(group),
                     enter={"uid": user.uid, "gid": user.gid, "groups": [user.gid, *user.groups]},
                     enter_pidfd=booted.init_fd,
-                    max_file_bytes=max_file_bytes,
                 )
             except OSError as e:
                 if booted.process.returncode is not None or not booted.alive():
@@ -320,7 +319,7 @@ class BwrapSandbox:
                     os.close(fd)
             try:
                 with anyio.fail_after(timeout):
-                    result = await _collect(proc, ours, feed, output_limit)
+                    result = await _collect(proc, ours, feed, output_limit, stdout)
             except TimeoutError:
                 raise ExecTimeoutError(
                     f"command timed out after {timeout} seconds and was killed: {shlex.join(argv)}"
@@ -501,17 +500,42 @@ class _Sink(bytearray):
         self.dropped += max(0, len(data) - room)
 
 
+class _FileSink(_Sink):
+    """Output copied into a host file, at most `limit` bytes; past it the command is killed."""
+
+    def __init__(self, file: BinaryIO, limit: int, proc: launcher.SandboxProcess) -> None:
+        super().__init__(limit)
+        self.fd, self.proc, self.written = file.fileno(), proc, 0
+
+    def extend(self, chunk: Iterable[SupportsIndex], /) -> None:
+        data = memoryview(bytes(chunk))
+        room = max(0, self.limit - self.written)
+        kept = data[:room]
+        while kept:
+            n = os.write(self.fd, kept)
+            kept, self.written = kept[n:], self.written + n
+        if len(data) > room:
+            self.dropped += len(data) - room
+            self.proc.kill()
+
+
 async def _collect(
-    proc: launcher.SandboxProcess, fds: _Fds, stdin: bytes | None, limit: int
+    proc: launcher.SandboxProcess,
+    fds: _Fds,
+    stdin: bytes | None,
+    limit: int,
+    stdout: BinaryIO | None = None,
 ) -> RunResult:
-    out = _Sink(limit)
+    out = _Sink(limit) if stdout is None else _FileSink(stdout, limit, proc)
     err = _Sink(limit)
     streams_done = [anyio.Event(), anyio.Event()]
 
     async def pump(fd: int | None, sink: _Sink, done: anyio.Event) -> None:
         try:
             if fd is not None:
-                await launcher.read_fd(fd, sink=sink)
+                # A file's copy stops at its cap: reading on would only feed whoever writes.
+                full = (lambda _: sink.dropped > 0) if isinstance(sink, _FileSink) else None
+                await launcher.read_fd(fd, full, sink=sink)
         finally:
             done.set()
 

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from backends.asgi import Receive, Scope, Send, send_json
 from backends.rollout.artifacts import ENV_HOME, default_rollout_root
-from backends.rollout.backend import CancelDisposition, ExecutionBackend
+from backends.rollout.backend import CancelDisposition, ExecutionBackend, start_backend
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure, describe
 from backends.rollout.request import (
     POLICY_TRACE_FIELD,
@@ -209,6 +209,9 @@ class RolloutServer:
                 if self._owns_relay:
                     assert self.relay is not None
                     await stack.enter_async_context(self.relay)
+                # Warm-up before the first rollout is admitted; a backend that cannot start
+                # fails the server's startup rather than every rollout.
+                await start_backend(self.backend)
                 if self._trajectories is not None:
                     self._trajectories.start()
                     stack.push_async_callback(self._close_trajectories)
@@ -432,8 +435,9 @@ class RolloutServer:
         rid = entry.rollout_id
         key = request.api_key
         body = result_body(result)
-        if self.relay is not None and (trace := result.extra_fields.get(POLICY_TRACE_FIELD)):
-            body["policy_trace"] = trace  # token ids and logprobs, for the trainer
+        if self.relay is not None and result.policy_trace is not None:
+            # Token ids and logprobs, for the trainer.
+            body[POLICY_TRACE_FIELD] = result.policy_trace.model_dump(mode="json")
         text, data = _result_json(body, key)
         finished_at = time.time()
         error = await self._record(rid, result.status.value, finished_at, text)

@@ -22,7 +22,7 @@ from typing import Any
 from harbor.models.trajectories import Metrics, Trajectory
 
 from backends.rollout.artifacts import rollout_dir
-from backends.rollout.request import POLICY_TRACE_FIELD, RolloutResult
+from backends.rollout.request import RolloutResult
 from backends.rollout.sample import utf8_json_text
 from backends.trajectory.atif import to_trajectory
 from backends.trajectory.policy_metrics import agent_step_metrics as policy_step_metrics
@@ -45,10 +45,12 @@ def trajectory_of(
     sample = result.sample
     if sample is None or not sample.trajectory_messages:
         return None
-    trace = result.extra_fields.get(POLICY_TRACE_FIELD)
-    if agent_step_metrics is None and isinstance(trace, Mapping):
+    trace = result.policy_trace
+    if agent_step_metrics is None and trace is not None:
         # Relayed rollouts: each agent step gets the token ids and logprobs of its own call.
-        agent_step_metrics = policy_step_metrics(sample.trajectory_messages, trace)
+        agent_step_metrics = policy_step_metrics(
+            sample.trajectory_messages, trace.model_dump(mode="json")
+        )
     extra: dict[str, Any] = {
         "rollout_id": result.rollout_id,
         "status": result.status.value,

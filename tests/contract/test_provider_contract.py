@@ -460,11 +460,15 @@ async def test_downloads_are_bounded(provider: Provider, tmp_path: Path) -> None
     env = provider.make(tmp_path, storage_mb=64, kwargs={"max_download_bytes": 8 * 1024 * 1024})
     await env.start(force_build=False)
     try:
-        # A sparse file far beyond the disk limit travels as what it holds, not its size.
+        # A sparse file counts at its apparent size: past the cap it is refused, within the
+        # cap it lands on the host still sparse.
         await env.exec("truncate -s 2G /logs/agent/sparse && echo end >> /logs/agent/sparse")
+        with pytest.raises(OSError, match="larger than 8388608 bytes"):
+            await env.download_dir("/logs/agent", tmp_path / "agent")
+        await env.exec("truncate -s 6M /logs/agent/sparse && echo end >> /logs/agent/sparse")
         await env.download_dir("/logs/agent", tmp_path / "agent")
         got = tmp_path / "agent" / "sparse"
-        assert got.stat().st_size == 2 * 1024**3 + 4 and got.stat().st_blocks * 512 < 2**24
+        assert got.stat().st_size == 6 * 1024**2 + 4 and got.stat().st_blocks * 512 < 2**20
         # Real data past the cap is refused; nothing is left half-written to trust.
         await env.exec("head -c 20000000 /dev/urandom > /logs/agent/big")
         with pytest.raises(OSError, match="larger than 8388608 bytes"):

@@ -1,0 +1,161 @@
+"""What a finished trial leaves on disk: artifacts copied to their sink, secrets scrubbed from
+the trial directory, and trial directories kept only as long as a bounded retention allows.
+
+Everything here is blocking file work: callers run it on a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+
+log = logging.getLogger(__name__)
+
+REDACTED = b"[redacted]"
+_SCAN_LIMIT = (
+    64 * 1024 * 1024
+)  # files larger than this are removed, not scanned, if they may hold a secret
+
+
+def regular_files(root: Path) -> Iterable[Path]:
+    """Regular files under ``root``; symlinks (which the sandbox may have planted) are skipped."""
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        base = Path(folder)
+        dirs[:] = [d for d in dirs if not (base / d).is_symlink()]
+        for name in files:
+            path = base / name
+            if not path.is_symlink() and path.is_file():
+                yield path
+
+
+def scrub_secrets(root: Path, secrets: Iterable[str | None]) -> int:
+    """Replace every secret in every file under ``root`` with ``[redacted]``; return files changed.
+
+    Harbor saves the agent's kwargs (a model-driven agent's key among them) in clear in
+    config.json and result.json, and an agent may echo its key into its logs. Fail closed: a
+    file that cannot be rewritten is deleted.
+    """
+    needles = sorted({s.encode() for s in secrets if s and len(s) >= 8}, key=len, reverse=True)
+    if not needles:
+        return 0
+    changed = 0
+    for path in regular_files(root):
+        try:
+            if path.stat().st_size > _SCAN_LIMIT:
+                path.unlink()
+                changed += 1
+                continue
+            data = path.read_bytes()
+            scrubbed = data
+            for needle in needles:
+                scrubbed = scrubbed.replace(needle, REDACTED)
+            if scrubbed != data:
+                path.write_bytes(scrubbed)
+                changed += 1
+        except OSError as exc:
+            log.warning("cannot scrub %s (%s): removing it", path, exc)
+            path.unlink(missing_ok=True)
+            changed += 1
+    return changed
+
+
+class ArtifactSink:
+    """Where a rollout's artifacts go: an fsspec URL (a local directory by default).
+
+    A rollout's files land under ``<url>/<rollout id>/artifacts/``, mirroring the trial's
+    ``artifacts/`` folder (``logs/artifacts/...`` for what the agent wrote under
+    /logs/artifacts, the task's configured paths beside it, and Harbor's manifest.json).
+    """
+
+    def __init__(self, url: str | Path) -> None:
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+
+    @property
+    def local_root(self) -> Path | None:
+        """The sink's directory when it is on this machine's disk, else ``None``."""
+        protocol = self.fs.protocol
+        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        return Path(self.root) if "file" in protocols or "local" in protocols else None
+
+    def location(self, rollout_id: str) -> str:
+        return f"{self.root.rstrip('/')}/{rollout_id}/artifacts"
+
+    def store(self, rollout_id: str, source: Path) -> list[str]:
+        """Copy the regular files under ``source`` to the rollout's place; return their paths.
+
+        A previous run's files under the same rollout id are removed first, so what is there
+        belongs to this run.
+        """
+        target = self.location(rollout_id)
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+        stored = []
+        for path in regular_files(source) if source.is_dir() else []:
+            relative = path.relative_to(source).as_posix()
+            remote = f"{target}/{relative}"
+            self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(str(path), remote)
+            stored.append(relative)
+        return stored
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How many failed trial directories stay, and how much disk they may take together.
+
+    Successful trials are removed as soon as their results are collected (unless asked to
+    keep them); failed ones stay for diagnosis, oldest removed first past either bound.
+    """
+
+    keep_successful: bool = False
+    max_failed: int = 100
+    max_failed_mb: int = 1024
+
+    def finish(
+        self, trial_dir: Path, *, succeeded: bool, active: frozenset[str] = frozenset()
+    ) -> None:
+        if succeeded and not self.keep_successful:
+            shutil.rmtree(trial_dir, ignore_errors=True)
+            return
+        self.prune(trial_dir.parent, active=active)
+
+    def prune(self, trials_dir: Path, *, active: frozenset[str] = frozenset()) -> list[Path]:
+        """Remove the oldest trial directories past the bounds; return those removed.
+
+        Directories named in ``active`` (trials still running) are neither counted nor removed.
+        """
+        entries = []
+        for child in trials_dir.iterdir() if trials_dir.is_dir() else []:
+            if child.name in active:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                entries.append((child.stat().st_mtime, child, _size(child)))
+        entries.sort(key=lambda entry: entry[0], reverse=True)  # newest first
+        budget = self.max_failed_mb * 1024 * 1024
+        kept = used = 0
+        removed = []
+        for _, path, size in entries:
+            if kept < self.max_failed and used + size <= budget:
+                kept += 1
+                used += size
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+
+
+def _size(root: Path) -> int:
+    total = 0
+    for path in regular_files(root):
+        try:
+            total += path.stat().st_blocks * 512
+        except OSError:
+            continue
+    return total

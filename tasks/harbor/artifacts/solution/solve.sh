@@ -1,0 +1,3 @@
+#!/bin/bash
+echo done > /app/report.txt
+echo "wrote /app/report.txt" > /logs/artifacts/notes.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+cp /srv/service/greeting greeting.txt

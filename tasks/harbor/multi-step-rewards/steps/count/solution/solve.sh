@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < /work/items.txt > /work/count.txt

