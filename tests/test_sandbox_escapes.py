@@ -244,3 +244,148 @@ async def test_no_world_writable_modes_land_on_the_host(
     assert modes == {"a": 0o755, "b": 0o644, "t": 0o755, "c": 0o755}
     await env.download_file("/logs/agent/b", tmp_path / "single")
     assert stat.S_IMODE((tmp_path / "single").stat().st_mode) == 0o644
+
+
+# -- terminals, keyrings, kernel surface ----------------------------------------------------
+
+TTY_OWNER = r"""
+import anyio, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from backends.sandbox.contract import PROVIDERS
+PROBE = '''
+import fcntl, os, termios
+try:
+    fd = os.open("/dev/tty", os.O_RDWR)
+except OSError as e:
+    print("open", e.errno)
+else:
+    try:
+        for ch in "echo pwned" + chr(10):
+            fcntl.ioctl(fd, termios.TIOCSTI, ch.encode())
+        print("typed")
+    except OSError as e:
+        print("ioctl", e.errno)
+'''
+async def main():
+    env = PROVIDERS[0].make(Path(sys.argv[2]))
+    await env.start(force_build=False)
+    try:
+        res = await env.exec(f"python3 -c '{PROBE}'")
+        Path(sys.argv[3]).write_text(res.stdout + res.stderr)
+    finally:
+        await env.stop(delete=True)
+anyio.run(main)
+"""
+
+
+def test_commands_have_no_controlling_terminal(tmp_path: Path) -> None:
+    """Run from a terminal (as `harbor run` is), a sandbox must not type into it."""
+    import fcntl
+    import pty
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+
+    def take_terminal() -> None:  # the owner's terminal becomes its controlling terminal
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    result = tmp_path / "result"
+    repo = str(Path(__file__).resolve().parents[1])
+    owner = subprocess.run(
+        [sys.executable, "-c", TTY_OWNER, repo, str(tmp_path), str(result)],
+        stdin=slave, stdout=slave, stderr=slave, preexec_fn=take_terminal, timeout=120,
+    )  # fmt: skip
+    os.close(slave)
+    os.set_blocking(master, False)
+    try:
+        typed = os.read(master, 65536)
+    except OSError:
+        typed = b""
+    os.close(master)
+    assert owner.returncode == 0, typed
+    assert result.read_text().split() == ["open", "6"]  # ENXIO: no controlling terminal
+    assert b"pwned" not in typed
+
+
+KEYCTL_READ, KEY_SPEC_SESSION_KEYRING = 11, -3
+
+
+def _keyctl_numbers() -> tuple[int, int]:
+    from backends.sandbox.seccomp import syscall_number
+
+    return syscall_number("keyctl"), syscall_number("add_key")
+
+
+async def test_the_owners_keyring_is_out_of_reach(env: BaseEnvironment, tmp_path: Path) -> None:
+    import ctypes
+
+    keyctl, add_key = _keyctl_numbers()
+    libc = ctypes.CDLL(None, use_errno=True)
+    secret = f"host-{uuid.uuid4().hex}".encode()
+    serial = libc.syscall(
+        add_key, b"user", b"backends-probe", secret, len(secret), KEY_SPEC_SESSION_KEYRING
+    )
+    assert serial > 0, os.strerror(ctypes.get_errno())
+    try:
+        probe = f"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(256)
+n = libc.syscall({keyctl}, {KEYCTL_READ}, {serial}, buf, 256)
+print("read", buf.raw[:n] if n > 0 else errno.errorcode[ctypes.get_errno()])
+n = libc.syscall({add_key}, b"user", b"planted", b"x", 1, {KEY_SPEC_SESSION_KEYRING})
+print("add", n if n > 0 else errno.errorcode[ctypes.get_errno()])
+"""
+        out = await run_python(env, tmp_path, probe)
+        assert secret.decode() not in out
+        assert out.split("\n")[:2] == ["read EPERM", "add EPERM"], out
+    finally:
+        libc.syscall(keyctl, 3, serial)  # KEYCTL_REVOKE
+
+
+async def test_kernel_surface_is_filtered(env: BaseEnvironment, tmp_path: Path) -> None:
+    from backends.sandbox.seccomp import syscall_number
+
+    calls = {
+        name: syscall_number(name)
+        for name in ("io_uring_setup", "bpf", "perf_event_open", "kexec_load", "clone3")
+    }
+    probe = f"""
+import ctypes, errno, fcntl, os, termios
+libc = ctypes.CDLL(None, use_errno=True)
+for name, nr in {calls!r}.items():
+    ret = libc.syscall(nr, 0, 0, 0, 0, 0)
+    print(name, errno.errorcode.get(ctypes.get_errno(), ret) if ret < 0 else "ok")
+master, slave = os.openpty()  # a terminal of the sandbox's own: still no typing into it
+try:
+    fcntl.ioctl(slave, termios.TIOCSTI, b"x")
+    print("tiocsti ok")
+except OSError as e:
+    print("tiocsti", errno.errorcode[e.errno])
+"""
+    out = await run_python(env, tmp_path, probe)
+    assert out.split("\n")[:6] == [
+        "io_uring_setup EPERM",
+        "bpf EPERM",
+        "perf_event_open EPERM",
+        "kexec_load EPERM",
+        "clone3 ENOSYS",
+        "tiocsti EPERM",
+    ], out
+    res = await env.exec("unshare -U true; mount -t tmpfs none /mnt; echo done")
+    assert "unshare failed: Operation not permitted" in res.stderr, res.stderr
+    assert "mount: /mnt: permission denied" in res.stderr, res.stderr
+    # What tasks do keeps working: threads, namespaces other than user ones, su, ptrace;
+    # no no_new_privs on commands (bwrap sets it on pid 1 only).
+    res = await env.exec(
+        "python3 -c 'import threading; t = threading.Thread(target=print); t.start(); t.join()'"
+        " && unshare -n true && su nobody -s /bin/sh -c 'id -u'"
+        " && grep NoNewPrivs /proc/self/status"
+        " && python3 -c 'import ctypes, os; print(ctypes.CDLL(None).ptrace(0x4206, 1, 0, 0))'"
+    )
+    assert res.return_code == 0, res.stderr
+    assert res.stdout.split("\n")[1:4] == ["65534", "NoNewPrivs:\t0", "0"], res.stdout

@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 
+from backends.sandbox import seccomp
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
 
@@ -130,9 +131,11 @@ def _boot_request(spec: BootSpec) -> dict[str, object]:
     }
 
 
-def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int) -> list[str]:
+def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int, seccomp_fd: int) -> list[str]:
     argv = [
         bwrap,
+        "--seccomp",  # loaded into pid 1 last, after bwrap's own mounts
+        str(seccomp_fd),
         "--unshare-pid",
         "--unshare-ipc",
         "--unshare-uts",
@@ -226,10 +229,24 @@ class Spawner:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
+            config = {
+                "seccomp": seccomp.program().hex(),
+                "keyctl": seccomp.syscall_number("keyctl"),
+            }
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(_ZYGOTE), str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    str(_ZYGOTE),
+                    str(theirs.fileno()),
+                    json.dumps(config),
+                ],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
+                # Not in the owner's session or process group: no controlling terminal to
+                # pass on, and a kill of the owner's group leaves it to clean up after it.
+                start_new_session=True,
             )
         self.sock = ours
         self.sock.setblocking(False)
@@ -500,6 +517,7 @@ def _parses(data: bytes) -> bool:
 
 
 INFO_FD = 3
+SECCOMP_FD = 4
 INLINE_REQUEST_BYTES = 64 * 1024
 BOOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
@@ -515,21 +533,24 @@ async def boot(spec: BootSpec) -> Booted:
     err_r, err_w = os.pipe()
     info_r, info_w = os.pipe()
     keep_r, keep_w = os.pipe()
+    filter_r, filter_w = os.pipe()  # a fresh read position per boot; fits the pipe's buffer
+    os.write(filter_w, seccomp.program())
+    os.close(filter_w)
     try:
         try:
             proc = await spawner().spawn(
-                bwrap_argv(bwrap, spec, INFO_FD),
+                bwrap_argv(bwrap, spec, INFO_FD, SECCOMP_FD),
                 # bwrap and the keepalive need nothing from the owner's environment (and
                 # the host's variables have no business in the sandbox's /proc/1/environ).
                 env=BOOT_ENV,
-                fds=(keep_r, out_w, err_w, info_w),
+                fds=(keep_r, out_w, err_w, info_w, filter_r),
                 cgroup_procs=spec.cgroup_procs,
                 boot=_boot_request(spec),
             )
         except OSError as e:
             raise SandboxStartError(f"could not start bubblewrap: {e}") from e
         finally:
-            for fd in (keep_r, out_w, err_w, info_w):
+            for fd in (keep_r, out_w, err_w, info_w, filter_r):
                 os.close(fd)
         try:
             line = await read_fd(out_r, lambda b: b"\n" in b)
