@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli_run import REPO, run_cli
+from test_cli_run import REPO, only_run, run_cli
 
 
 @pytest.mark.parametrize("example", ["strands-calculator", "openai-agents-calculator"])
@@ -27,19 +27,14 @@ def test_example_runs_with_tool_calls_through_the_relay(example: str, tmp_path: 
     rows = len((REPO / "tasks/data/calculator.jsonl").read_text().splitlines())
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     # Every row: a tool call, then the answer; both policy calls went through the relay.
-    assert summary == {
-        "rollouts": rows,
-        "graded": rows,
-        "mean_reward": 1.0,
-        "failures": {},
-        "policy_calls": 2 * rows,
-    }
+    expected = {"rollouts": rows, "graded": rows, "mean_reward": 1.0, "failures": {}}
+    assert expected.items() <= summary.items() and summary["policy_calls"] == 2 * rows
     for line in out.read_text().splitlines():
         result = json.loads(line)
         calls = result["extra_fields"]["policy_trace"]["calls"]
         assert [c["choices"][0]["finish_reason"] for c in calls] == ["tool_calls", "stop"]
         assert "unrelayed_assistant_turns" not in result["sample"]["extra_fields"]
-        trajectory = tmp_path / "rollouts" / result["rollout_id"] / "trajectory.json"
+        trajectory = only_run(tmp_path) / "rollouts" / result["rollout_id"] / "trajectory.json"
         check = subprocess.run(
             [sys.executable, "-m", "harbor.utils.trajectory_validator", str(trajectory)],
             capture_output=True,
