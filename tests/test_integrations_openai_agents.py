@@ -9,7 +9,7 @@ import pytest
 from agents import ModelSettings, Runner, function_tool
 from integration_support import TOOL_SCRIPT, relayed_local, request, valid_trajectory
 
-from backends import RolloutStatus
+from backends import RolloutContext, RolloutStatus
 from backends.graders import ExactMatchGrader
 from backends.integrations.openai_agents import (
     ITEMS_FIELD,
@@ -110,3 +110,22 @@ def test_tracing_to_openai_is_off() -> None:
 async def test_constructing_outside_a_rollout_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match=r"inside AgentWorkflow\.run\(\)"):
         OsmosisMemorySession()
+
+
+async def test_the_session_is_the_sample_source_with_a_bounded_preview() -> None:
+    with RolloutContext(chat_completions_url="http://127.0.0.1:9/v1", api_key="rlt-x") as rollout:
+        session = OsmosisMemorySession()
+        await session.add_items(
+            [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "two"},
+                {"role": "user", "content": "three"},
+            ]
+        )
+        assert rollout.sample_source is not None
+        preview = await rollout.sample_source.get_preview(2)
+        assert len(await session.get_items(limit=1)) == 1
+        sample = await rollout.get_sample()
+    assert session.session_id == "rollout"  # no rollout id in this bare context
+    assert preview is not None and [m["content"] for m in preview.messages] == ["two", "three"]
+    assert [m["role"] for m in sample.messages] == ["user", "assistant", "user"]

@@ -9,7 +9,7 @@ import pytest
 from integration_support import TOOL_SCRIPT, relayed_local, request, valid_trajectory
 from strands import tool
 
-from backends import RolloutStatus, get_rollout_context
+from backends import RolloutContext, RolloutStatus, get_rollout_context
 from backends.graders import ExactMatchGrader
 from backends.integrations.strands import OsmosisRolloutModel, OsmosisStrandsAgent
 from backends.relayed import UNRELAYED_FIELD
@@ -102,3 +102,24 @@ async def test_a_tool_calling_strands_agent_is_traced_call_by_call(tmp_path: Pat
 async def test_constructing_outside_a_rollout_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match=r"inside AgentWorkflow\.run\(\)"):
         OsmosisRolloutModel()
+
+
+async def test_the_agent_is_the_sample_source_with_a_bounded_preview() -> None:
+    prompt = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"},
+    ]
+    with RolloutContext(chat_completions_url="http://127.0.0.1:9/v1", api_key="rlt-x") as rollout:
+        agent = OsmosisStrandsAgent(messages=prompt, callback_handler=None)
+        assert rollout.sample_source is not None
+        preview = await rollout.sample_source.get_preview(2)
+        sample = await rollout.get_sample()
+    assert agent.system_prompt == "Be brief."
+    assert preview is not None and len(preview.messages) == 2
+    assert preview.messages[-1] == {"role": "user", "content": [{"text": "three"}]}
+    # The chat-completions copy keeps the system turn and plain text.
+    assert sample.trajectory_messages is not None
+    assert sample.trajectory_messages[0] == {"role": "system", "content": "Be brief."}
+    assert len(sample.messages) == 3 and await rollout.sample_source.get_preview(0) is None

@@ -121,3 +121,28 @@ async def test_without_a_relay_results_carry_no_trace(
     assert data["status"] == "success"
     assert "policy_trace" not in data
     assert seen_auth == [f"Bearer {UPSTREAM_KEY}"] and SEEN["key"] == UPSTREAM_KEY
+
+
+class AnswersWithoutThePolicy(AskPolicy):
+    """Asks the policy, then adds an answer of its own, as a direct provider call would."""
+
+    async def run(self, ctx: Any) -> Any:
+        messages = await super().run(ctx)
+        return [*messages, {"role": "assistant", "content": "42, I checked it myself"}]
+
+
+async def test_the_trainer_sees_which_assistant_turns_bypassed_the_relay(
+    upstream: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    policy_url, _ = upstream
+    backend = LocalBackend(workflow=AnswersWithoutThePolicy, grader=Exact, artifacts_root=None)
+    app = create_rollout_server(
+        backend=backend,
+        relay=True,
+        state_file=tmp_path / "state.sqlite3",
+        artifacts_root=tmp_path / "rollouts",
+    )
+    async with serve_in_process(app) as url:
+        data = await run_one(url, "bypass-1", policy_url)
+    # Message 1 came from the relay; message 2 did not, so it has no tokens to train on.
+    assert data["sample"]["extra_fields"]["unrelayed_assistant_turns"] == [2]
