@@ -1,9 +1,10 @@
 """An ``AgentWorkflow`` as a Harbor agent: HarborBackend's ``agent=<AgentWorkflow>``.
 
 ``WorkflowPlan`` is what HarborBackend holds for such an agent: it builds the project's bundle
-and installs it (both cached) before the first trial, tells each trial what to bind and which
+and installs it (both cached) at the backend's start, tells each trial what to bind and which
 input to hand the runner (the prompt, metadata, rollout id and relay route; never the label),
-and reads back the runner's output as the sample or the workflow's classified failure.
+and reads back the runner's output as the sample or the workflow's classified failure. The
+host grades that sample as any template-mode sample (its ``Grader``, or the template's tests).
 ``BundleAgent`` is the Harbor ``BaseAgent`` a trial runs: it hands the input in, runs the
 runner with the bundle's Python, and brings the output out.
 """
@@ -14,7 +15,7 @@ import contextlib
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from harbor.agents.base import BaseAgent
@@ -25,17 +26,13 @@ from harbor.models.task.config import TaskConfig as HarborTaskConfig
 from backends.bundle.build import Bundle, BundleError, build_bundle
 from backends.bundle.environment import Environment, ensure_environment
 from backends.bundle.models import RunnerInput, RunnerOutput, read_bounded
-from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure, user_code_failure
+from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
 from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest
 from backends.rollout.route import PolicyRoute
-from backends.rollout.sample import RolloutSample, sample_problem
-from backends.rollout.user_code import fresh_config, grade_sample
-from backends.rollout.workflow import AgentWorkflow, Grader
+from backends.rollout.sample import RolloutSample
+from backends.rollout.workflow import AgentWorkflow
 from backends.sandbox.local import DEFAULT_RELAY_PORT
-
-if TYPE_CHECKING:
-    from backends.harbor.outcome import TrialOutcome
 
 BUNDLE_AGENT = "backends.bundle.agent:BundleAgent"
 OUTPUT_FILE = "runner_output.json"
@@ -178,70 +175,6 @@ class WorkflowPlan:
         if output.info:
             sample.extra_fields.setdefault("workflow_info", output.info)
         return sample
-
-
-class HostGrader:
-    """A ``Grader`` run on the host with the request's label (it never enters the sandbox)."""
-
-    def __init__(self, grader: Any, config: Any = None) -> None:
-        cls = load_object(grader)
-        if not (isinstance(cls, type) and issubclass(cls, Grader)):
-            raise TypeError(f"grader must be a subclass of Grader, got {cls!r}")
-        self.cls = cls
-        self.config = load_object(config)
-
-    async def grade(self, sample: RolloutSample, request: RolloutRequest) -> RolloutFailure | None:
-        """Set ``sample.reward``; the failure if the grader raised or set no usable reward."""
-        sample.label = request.label
-        try:
-            await grade_sample(
-                self.cls(config=fresh_config(self.config)),
-                sample,
-                label=request.label,
-                metadata=request.metadata,
-            )
-        except Exception as exc:
-            return user_code_failure(exc, Phase.GRADING)
-        problem = sample_problem(sample)
-        if sample.reward is None and not sample.remove_sample:
-            problem = "the grader finished without calling ctx.set_reward()"
-        if problem:
-            return RolloutFailure(
-                category=ErrorCategory.VERIFIER_ERROR, phase=Phase.GRADING, message=problem
-            )
-        return None
-
-
-async def finish_workflow_trial(
-    plan: WorkflowPlan,
-    trial_dir: Path,
-    outcome: TrialOutcome,
-    request: RolloutRequest,
-    grader: HostGrader | None,
-    metrics: dict[str, Any],
-) -> tuple[RolloutSample | None, TrialOutcome]:
-    """A workflow trial's sample and outcome: the runner's sample, graded on the host by
-    ``grader`` or by the template's tests (``outcome``). A retryable infrastructure failure
-    (the sandbox never ran the workflow) stands as Harbor reported it.
-    """
-    from backends.harbor.outcome import TrialOutcome  # HarborBackend imports this module
-
-    if outcome.failure is not None and outcome.retryable:
-        return None, outcome
-    collected = await anyio.to_thread.run_sync(plan.collect, trial_dir)
-    if isinstance(collected, RolloutFailure):
-        return None, TrialOutcome(failure=collected, stage="agent")
-    collected.metrics.update({k: v for k, v in metrics.items() if k not in collected.metrics})
-    if outcome.failure is not None:
-        return collected, outcome
-    if grader is not None:
-        failure = await grader.grade(collected, request)
-        outcome = TrialOutcome(reward=collected.reward, failure=failure)
-        if failure is not None:
-            outcome.stage = "verifier"
-    else:
-        collected.reward = outcome.reward
-    return collected, outcome
 
 
 def _agent_failure(message: str) -> RolloutFailure:
