@@ -42,6 +42,7 @@ ARITHMETIC = ROOT / "tasks" / "rollouts" / "arithmetic"
 PROJECT = Path(__file__).parent / "bundle_project"
 TEMPLATE = ROOT / "tasks" / "templates" / "workflow"
 PROMPT = [{"role": "user", "content": "What is 6 * 7?"}]
+GRADER = f"{PROJECT}/main.py:NonEmptyAnswer"
 
 
 def copy_project(tmp_path: Path, source: Path = PROJECT) -> Path:
@@ -116,7 +117,7 @@ def test_harbor_backend_refuses_a_workflow_it_cannot_ship(tmp_path: Path) -> Non
         "class Flow(AgentWorkflow):\n    async def run(self, ctx):\n        return []\n"
     )
     with pytest.raises(ValueError, match=r"no pyproject\.toml"):
-        HarborBackend(tasks_dir=TEMPLATE, agent=f"{loose}/flow.py:Flow", grader="x.py:G")
+        HarborBackend(tasks_dir=TEMPLATE, agent=f"{loose}/flow.py:Flow", grader=GRADER)
     with pytest.raises(ValueError, match="template mode"):
         HarborBackend(
             tasks_dir=ROOT / "tasks" / "harbor",
