@@ -220,10 +220,11 @@ class HarborBackend:
     # -- the backend contract -------------------------------------------------------------
 
     def has_capacity(self) -> bool:
+        # Rollouts past the running ones wait for a slot; max_queue_depth bounds how many.
+        if self.max_queue_depth is None:
+            return True
         in_flight = self._in_flight.counts()["in_flight"]
-        if self.max_concurrent is None:
-            return self.max_queue_depth is None or in_flight < self.max_queue_depth
-        return in_flight < self.max_concurrent + (self.max_queue_depth or 0)
+        return in_flight < (self.max_concurrent or 0) + self.max_queue_depth
 
     def status(self, rollout_id: str) -> RolloutStatus | None:
         return self._in_flight.status(rollout_id)
