@@ -204,6 +204,11 @@ class HarborBackend:
         """Where ``backends run`` saves trajectories: beside the artifacts, when they are local."""
         return self.settings.sink.local_root
 
+    @artifacts_root.setter
+    def artifacts_root(self, root: Path | str) -> None:
+        # `backends run` moves a backend left on the default root into its run directory.
+        self.settings.sink = ArtifactSink(root)
+
     async def _warm_up(self) -> None:
         """Pay one-time costs before the first rollout: the agent's module (for terminus-2,
         Harbor's LiteLLM, about 7 s), LiteLLM's offline model map, and reaping the local
