@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.cli.results import ResultsFile, ResultsFileError
+from backends.graders.text import message_text
 from backends.relay import Relay
 from backends.relay.scripted import ScriptedPolicy
 from backends.relayed import RelayedBackend
@@ -273,8 +274,7 @@ class _Run:
             return
         answer = ""
         if result.sample and result.sample.messages:
-            content = result.sample.messages[-1].get("content")
-            answer = self.redactor.text(str(content or ""))[:40]
+            answer = self.redactor.text(message_text(result.sample.messages[-1]))[:40]
         self.table.append(
             _Row(
                 order=order,
