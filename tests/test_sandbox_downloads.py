@@ -34,9 +34,7 @@ MiB = 1024 * 1024
 
 # Whatever tar is asked for, it hands back the crafted archive: gzipped when asked for a
 # `tar czf FILE ...` (Harbor's own path), plain on stdout otherwise.
-CRAFTED_TAR = (
-    '#!/bin/sh\nif [ "$1" = czf ]; then gzip -c /crafted.tar > "$2"; else exec cat /crafted.tar; fi\n'
-)
+CRAFTED_TAR = '#!/bin/sh\nif [ "$1" = czf ]; then gzip -c /crafted.tar > "$2"; else exec cat /crafted.tar; fi\n'
 
 
 async def _download(env: BaseEnvironment, how: str, out: Path) -> None:
