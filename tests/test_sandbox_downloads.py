@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 from harbor.environments.base import BaseEnvironment
-
-from backends.sandbox.errors import SandboxPathError
-from backends.sandbox.unpack import DownloadTooLargeError
 from test_sandbox_escapes import (
     PATH_MAX_ARCHIVE,
     env,
@@ -23,6 +20,9 @@ from test_sandbox_escapes import (
     host_dir,
     run_python,
 )
+
+from backends.sandbox.errors import SandboxPathError
+from backends.sandbox.unpack import DownloadTooLargeError
 
 pytestmark = [
     pytest.mark.sandbox,
