@@ -389,3 +389,116 @@ except OSError as e:
     )
     assert res.return_code == 0, res.stderr
     assert res.stdout.split("\n")[1:4] == ["65534", "NoNewPrivs:\t0", "0"], res.stdout
+
+
+# -- the sandbox ends with its owner ---------------------------------------------------------
+
+# As root inside: seize pid 1, make it clear its own parent-death signal, then exec
+# `sleep` (so the owner's closing of its stdin no longer ends it either). x86_64 registers.
+PID1_HIJACK = r"""
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+NAMES = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
+         " rsp ss fs_base gs_base ds es fs gs").split()
+class Regs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in NAMES]
+SEIZE, INTERRUPT, GETREGS, SETREGS, POKEDATA, SINGLESTEP, DETACH = (
+    0x4206, 0x4207, 12, 13, 5, 9, 17)
+def ptrace(req, addr=None, data=None):
+    if libc.ptrace(req, 1, addr, data) != 0 and req not in (POKEDATA,):
+        raise OSError(ctypes.get_errno(), f"ptrace {req}")
+ptrace(SEIZE)
+ptrace(INTERRUPT)
+os.waitpid(1, os.WUNTRACED | 0x40000000)  # __WALL
+saved = Regs()
+ptrace(GETREGS, None, ctypes.byref(saved))
+def syscall(nr, *args):
+    regs = Regs.from_buffer_copy(saved)
+    regs.rip, regs.rax, regs.orig_rax = saved.rip - 2, nr, 2**64 - 1  # at pid 1's `syscall`
+    for name, value in zip(("rdi", "rsi", "rdx"), args):
+        setattr(regs, name, value)
+    ptrace(SETREGS, None, ctypes.byref(regs))
+syscall(157, 1, 0)  # prctl(PR_SET_PDEATHSIG, 0)
+ptrace(SINGLESTEP)
+os.waitpid(1, 0x40000000)
+after = Regs()
+ptrace(GETREGS, None, ctypes.byref(after))
+assert after.rax == 0, after.rax
+# execve("/bin/sleep", ["sleep", "4242"], NULL), its strings written over pid 1's stack.
+base = saved.rsp & ~7
+blob = b"/bin/sleep".ljust(16, b"\0") + b"sleep".ljust(8, b"\0") + b"4242".ljust(8, b"\0")
+path, arg0, arg1 = base, base + 16, base + 24
+blob += struct.pack("<QQQ", arg0, arg1, 0)
+for i in range(0, len(blob), 8):
+    word = int.from_bytes(blob[i:i + 8].ljust(8, b"\0"), "little")
+    libc.ptrace(POKEDATA, 1, ctypes.c_void_p(base + i), ctypes.c_void_p(word))
+syscall(59, path, base + 32, 0)
+ptrace(DETACH)
+print("hijacked")
+"""
+
+OWNER = r"""
+import anyio, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from backends.sandbox.contract import PROVIDERS
+async def main():
+    tmp = Path(sys.argv[2])
+    env = PROVIDERS[0].make(tmp)
+    await env.start(force_build=False)
+    await env.upload_file(tmp / "hijack.py", "/hijack.py")
+    res = await env.exec("python3 /hijack.py; (setsid nohup sleep 4343 >/dev/null 2>&1 &);"
+                         " sleep 0.5; cat /proc/1/cmdline | tr '\\0' ' '; head -3 /proc/1/status")
+    print(env._box._booted.init_pid, res.stdout.strip().replace("\n", " "), res.stderr.strip().replace("\n", " "), flush=True)
+    await anyio.sleep(1000)
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe injects x86_64 syscalls")
+def test_the_sandbox_ends_with_its_owner_whatever_root_does_to_pid_1(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "hijack.py").write_text(PID1_HIJACK)
+    repo = str(Path(__file__).resolve().parents[1])
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    line = owner.stdout.readline().split()
+    assert line[1:4] == ["hijacked", "sleep", "4242"], line  # pid 1 is the attacker's now
+    init_pid = int(line[0])
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while _alive(init_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = _alive(init_pid)
+    if survived:  # do not leave it to the other tests
+        os.kill(init_pid, signal.SIGKILL)
+    assert not survived, "the sandbox outlived its owner"
+    assert not _cmdline_running("sleep 4343"), "a daemon outlived its owner"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _cmdline_running(text: str) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().replace(b"\0", b" ").strip() == text.encode():
+                        return True
+            except OSError:
+                pass
+    return False

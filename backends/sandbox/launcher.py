@@ -79,6 +79,8 @@ class BootSpec:
     volatile: bool = False
     disk: Path | None = None  # ext4 image holding upper and work, mounted on their parent
     shm_bytes: int = 64 * 1024 * 1024  # size of /dev/shm (docker's default)
+    # How the spawner kills the whole sandbox when the owner dies (cgroups.teardown_request).
+    teardown: dict[str, object] = field(default_factory=dict)
 
 
 @functools.cache
@@ -128,6 +130,7 @@ def _boot_request(spec: BootSpec) -> dict[str, object]:
         "stages": [
             [str(b.source), str(staged(spec, i)), b.read_only] for i, b in enumerate(spec.binds)
         ],
+        "teardown": spec.teardown,
     }
 
 

@@ -3,8 +3,9 @@
 `LocalSandbox` (the Harbor environment) and the layer builder both drive this class. It
 owns four things that must not leak: the bwrap process tree, its cgroups, its overlay upper
 directory and an owner record. `stop()` removes all four; if the owning process dies first,
-`--die-with-parent` plus the pid namespace take the processes down, the mount lives only in
-the sandbox's own mount namespace, and `reap_orphans()` removes the rest on the next start.
+the spawner (which outlives it in a session of its own) kills every process through the
+sandbox's cgroup, whatever root inside did to pid 1, the mount lives only in the sandbox's
+own mount namespace, and `reap_orphans()` removes the rest on the next start.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class BwrapSandbox:
             # Every sandbox mounts its overlay here, each in its own private mount namespace.
             merged=_shared_mount_point(),
             cgroup_procs=self.cgroup.procs_files(),
+            teardown=self.cgroup.teardown_request(),
             network=self.spec.network,
             resolv_conf=network.resolv_conf() if self.spec.network else "/etc/resolv.conf",
             binds=self.spec.binds,

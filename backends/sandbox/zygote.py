@@ -7,15 +7,16 @@ a busy VM, twice per boot because the uid map needs a helper outside the new nam
 This process imports only the standard library's basics, so its fork is cheap, and it
 writes the uid map itself, so a boot forks once.
 
-It is run as `python -I -S zygote.py FD` by `backends.sandbox.launcher`, talks over the
-SOCK_SEQPACKET socket FD, and exits when the other end closes (its owner died or is done);
-every bwrap it started has `--die-with-parent` and dies with it.
+It is run as `python -I -S zygote.py FD CONFIG` by `backends.sandbox.launcher` (CONFIG: JSON
+with the compiled seccomp filter and keyctl's syscall number), talks over the SOCK_SEQPACKET
+socket FD, and when the other end closes (its owner died or is done) kills every sandbox it
+booted through its cgroup, then exits.
 
 Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
   files], "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
-  [image, point]}, "uid_map",
+  [image, point], "teardown": {"kill", "events", "procs"}}, "uid_map",
   "enter": null | {"uid", "gid", "groups"}}` with the fds to install at those numbers
   (every other fd is closed), and with `enter` the pidfd of the sandbox's pid 1 after them.
   `enter` runs the command inside a live sandbox: the child is forked straight into the
@@ -41,6 +42,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -200,6 +202,47 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             os._exit(127)
 
 
+def _kill_sandbox(teardown: dict, limit_sec: float = 5.0) -> None:
+    """SIGKILL a sandbox through its cgroup and wait (a while) until it is empty.
+
+    `teardown`: {"kill": the sandbox's cgroup.kill or null, "events": its cgroup.events or
+    null, "procs": v1 cgroup.procs files}. Without cgroup.kill, members are signalled by pid.
+    """
+    if teardown.get("kill"):
+        try:
+            _write_file(teardown["kill"], b"1")
+        except OSError:
+            pass
+    deadline = time.monotonic() + limit_sec
+    while time.monotonic() < deadline:
+        pids = []
+        for procs in teardown.get("procs", ()):
+            try:
+                with open(procs) as f:
+                    pids += [int(x) for x in f.read().split()]
+            except OSError:
+                pass
+        if not pids and not _populated(teardown.get("events")):
+            return
+        if not teardown.get("kill"):
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.005)
+
+
+def _populated(events: str | None) -> bool:
+    if not events:
+        return False
+    try:
+        with open(events) as f:
+            return "populated 1" in f.read()
+    except OSError:
+        return False
+
+
 def _make_read_only(point: str) -> None:
     """Make a staged bind (and every mount under it) read-only, from outside the sandbox.
 
@@ -305,6 +348,7 @@ class Spawner:
         self.sel = selectors.DefaultSelector()
         self.sel.register(sock, selectors.EVENT_READ, ("ctl", 0))
         self.children: dict[int, _Child] = {}
+        self.sandboxes: dict[int, dict] = {}  # bwrap pid -> how to kill that sandbox
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -315,7 +359,7 @@ class Spawner:
             else:
                 self.sock.send(data)
         except OSError:
-            os._exit(0)  # the owner is gone
+            self.owner_gone()
 
     def run(self) -> None:
         while True:
@@ -334,7 +378,7 @@ class Spawner:
         except OSError:
             data, fds = b"", []
         if not data:
-            os._exit(0)  # owner closed the socket or died
+            self.owner_gone()  # owner closed the socket or died
         req = json.loads(data)
         if req.get("spilled"):  # too large for a message: it came in a memfd, the last fd
             spill = fds.pop()
@@ -360,6 +404,8 @@ class Spawner:
             os.close(f)
         pidfd = os.pidfd_open(pid)
         self.children[pid] = _Child(req["id"], err_r, go_w, pidfd, req.get("uid_map", ""))
+        if req.get("boot"):
+            self.sandboxes[pid] = req["boot"]["teardown"]
         self.sel.register(err_r, selectors.EVENT_READ, ("err", pid))
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
 
@@ -411,7 +457,20 @@ class Spawner:
             c.replied = True
             self.send({"id": c.req_id, "pid": pid}, [c.pidfd])
 
+    def owner_gone(self) -> None:
+        """Kill every sandbox we booted that is still alive, then exit.
+
+        Not left to the sandboxes' parent-death signals: root inside can clear pid 1's (by
+        ptrace) and keep the sandbox alive past its owner. cgroup.kill reaches every process
+        of a sandbox whatever it did.
+        """
+        for teardown in self.sandboxes.values():
+            _kill_sandbox(teardown)
+        os._exit(0)
+
     def reap(self, pid: int) -> None:
+        # A booted sandbox's bwrap exits only after its pid 1, so after all of the sandbox.
+        self.sandboxes.pop(pid, None)
         c = self.children.pop(pid)
         if c.err_r is not None:  # the child is dead, so its end is closed: read to EOF
             self.children[pid] = c
