@@ -502,3 +502,87 @@ def _cmdline_running(text: str) -> bool:
             except OSError:
                 pass
     return False
+
+
+# -- per-sandbox host uids -------------------------------------------------------------------
+
+INOTIFY_HOG = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if os.fork():
+    os._exit(0)
+os.setsid()
+held = []
+while len(held) < 100_000:
+    fd = libc.inotify_init()
+    if fd < 0:
+        break
+    held.append(fd)
+open("/hog.log", "w").write(f"{len(held)} {ctypes.get_errno()}")
+os.close(1)
+os.close(2)
+import time
+time.sleep(1000)
+"""
+
+INOTIFY_ONCE = "import ctypes; print(ctypes.CDLL(None, use_errno=True).inotify_init() >= 0)"
+
+
+def _host_uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+
+
+async def test_each_sandbox_has_its_own_host_uids(tmp_path: Path) -> None:
+    import ctypes
+
+    from backends.sandbox.settings import UID_BASE
+
+    one, two = LOCAL.make(tmp_path), LOCAL.make(tmp_path)
+    await one.start(force_build=False)
+    await two.start(force_build=False)
+    try:
+        uids = [_host_uid(env._box._booted.init_pid) for env in (one, two)]  # type: ignore[attr-defined]
+        assert uids[0] != uids[1] and abs(uids[0] - uids[1]) % 65536 == 0, uids
+        # One sandbox takes every inotify instance its uid may have...
+        (tmp_path / "hog.py").write_text(INOTIFY_HOG)
+        await one.upload_file(tmp_path / "hog.py", "/hog.py")
+        await one.exec("python3 /hog.py")
+        res = await one.exec(
+            "for i in $(seq 100); do test -e /hog.log && break; sleep 0.1; done; cat /hog.log"
+        )
+        held, err = res.stdout.split()
+        assert err == "24" and int(held) >= 100, res.stdout  # EMFILE: it hit its limit
+        # ... and the other sandbox and host root still get theirs.
+        res = await two.exec(f"python3 -c '{INOTIFY_ONCE}'")
+        assert res.stdout == "True\n", res
+        fd = ctypes.CDLL(None, use_errno=True).inotify_init()
+        assert fd >= 0, os.strerror(ctypes.get_errno())
+        os.close(fd)
+        # The layers are shared, seen through each sandbox's range: root owns /bin there, and
+        # what a sandbox writes lands on disk in the layers' own range.
+        assert (await two.exec("stat -c %u /usr/bin/bash; touch /mine")).stdout == "0\n"
+        box = two._box  # type: ignore[attr-defined]
+        assert (box.upper / "mine").stat().st_uid == UID_BASE
+    finally:
+        await one.stop(delete=True)
+        await two.stop(delete=True)
+
+
+def test_uid_ranges_are_leased_once_across_processes() -> None:
+    import subprocess
+    import sys
+
+    from backends.sandbox import uids
+
+    mine = uids.lease()
+    try:
+        code = "from backends.sandbox import uids; print(uids.lease().base)"
+        others = {
+            int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)
+            for _ in range(3)
+        }  # fmt: skip
+        assert mine.base not in others
+    finally:
+        mine.release()

@@ -55,7 +55,14 @@ MS_RDONLY = 1
 MS_NODEV = 4
 MS_REMOUNT = 32
 MS_BIND = 4096
-SYS_MOUNT_SETATTR = 442  # the same number on every architecture (a newer syscall)
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture (newer syscalls)
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+OPEN_TREE_CLONE = 1
+O_CLOEXEC = 0o2000000
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 4
+MOUNT_ATTR_IDMAP = 0x00100000
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 1
@@ -163,6 +170,9 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             _check(_mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
             if boot.get("disk"):
                 _mount_disk(*boot["disk"])
+            if boot.get("idmap"):
+                assert target is not None
+                _idmap_tree(boot["idmap"]["tree"], target)
             _check(
                 _mount(
                     b"overlay", boot["merged"].encode(), b"overlay", MS_NODEV,
@@ -177,6 +187,10 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
                 )
                 if read_only:
                     _make_read_only(point)
+            # Created as the sandbox's own host uid, which then owns the namespace: the
+            # kernel's per-user counts (inotify instances, ...) at the host level are charged
+            # to it, not to host root, whose are shared by everything else.
+            os.setresuid(boot["owner_uid"], boot["owner_uid"], 0)
             _check(_unshare(CLONE_NEWUSER), "unshare user namespace")
             os.write(err_w, b"U")  # the spawner, outside, writes our uid/gid map
             if os.read(go_r, 1) != b"G":
@@ -200,6 +214,25 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             os.write(err_w, b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
         finally:
             os._exit(127)
+
+
+def _idmap_tree(path: str, userns: int) -> None:
+    """Show the mount tree at `path` (in our private mount namespace) through `userns`'s map."""
+    fd = _syscall(
+        SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | O_CLOEXEC | AT_RECURSIVE
+    )
+    if fd < 0:
+        _check(fd, f"open_tree {path}")
+    try:
+        attr = struct.pack("=4Q", MOUNT_ATTR_IDMAP, 0, 0, userns)  # struct mount_attr
+        flags = AT_EMPTY_PATH | AT_RECURSIVE
+        _check(_syscall(SYS_MOUNT_SETATTR, fd, b"", flags, attr, len(attr)), f"idmap {path}")
+        _check(
+            _syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+            f"mount the idmapped {path}",
+        )
+    finally:
+        os.close(fd)
 
 
 def _kill_sandbox(teardown: dict, limit_sec: float = 5.0) -> None:
@@ -330,7 +363,7 @@ def _enter(enter: dict, target: int) -> None:
 
 
 class _Child:
-    __slots__ = ("err_r", "error", "go_w", "pidfd", "replied", "req_id", "uid_map")
+    __slots__ = ("err_r", "error", "go_w", "hold", "pidfd", "replied", "req_id", "uid_map")
 
     def __init__(self, req_id: int, err_r: int, go_w: int, pidfd: int, uid_map: str) -> None:
         self.req_id = req_id
@@ -340,6 +373,7 @@ class _Child:
         self.error = b""
         self.replied = False
         self.uid_map = uid_map
+        self.hold: int | None = None  # closed once the child is reaped
 
 
 class Spawner:
@@ -349,6 +383,7 @@ class Spawner:
         self.sel.register(sock, selectors.EVENT_READ, ("ctl", 0))
         self.children: dict[int, _Child] = {}
         self.sandboxes: dict[int, dict] = {}  # bwrap pid -> how to kill that sandbox
+        self.userns: dict[str, int] = {}  # uid map -> user namespace fd, for idmapped mounts
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -385,17 +420,23 @@ class Spawner:
             size = os.fstat(spill).st_size
             req = json.loads(os.pread(spill, size, 0))
             os.close(spill)
-        # With `enter`, the sandbox's pid 1 comes as a pidfd, the last fd.
+        # With `enter`, the sandbox's pid 1 comes as a pidfd, the last fd; before it, the fd
+        # to hold while the child lives.
         target = fds.pop() if req.get("enter") else None
+        hold = fds.pop() if req.get("hold") else None
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
         own = [f for f in (*fds, target) if f is not None]
+        boot = req.get("boot")
         try:
-            pid = self.fork(target)
+            if boot and boot.get("idmap"):  # the child's, for the idmapped layers
+                target = os.dup(self.idmap_userns(boot["idmap"]["map"]))
+                own.append(target)
+            pid = self.fork(None if boot else target)
         except OSError as e:
-            for f in (*own, err_r, err_w, go_r, go_w):
+            for f in (*own, err_r, err_w, go_r, go_w, *([] if hold is None else [hold])):
                 os.close(f)
-            where = "fork" if target is None else "enter the sandbox"
+            where = "enter the sandbox" if req.get("enter") else "fork"
             self.send({"id": req["id"], "error": f"{where}: {e}"})
             return
         if pid == 0:
@@ -404,10 +445,45 @@ class Spawner:
             os.close(f)
         pidfd = os.pidfd_open(pid)
         self.children[pid] = _Child(req["id"], err_r, go_w, pidfd, req.get("uid_map", ""))
-        if req.get("boot"):
-            self.sandboxes[pid] = req["boot"]["teardown"]
+        self.children[pid].hold = hold
+        if boot:
+            self.sandboxes[pid] = boot["teardown"]
         self.sel.register(err_r, selectors.EVENT_READ, ("err", pid))
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+
+    def idmap_userns(self, uid_map: str) -> int:
+        """A user namespace with this uid and gid map, to idmap mounts with (made once)."""
+        fd = self.userns.get(uid_map)
+        if fd is not None:
+            return fd
+        ready_r, ready_w = os.pipe()
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # lives just long enough to have its namespace opened
+            try:
+                os.close(ready_r)
+                os.close(done_w)  # else our own copy would keep the read below from ending
+                _check(_unshare(CLONE_NEWUSER), "unshare user namespace")
+                os.write(ready_w, b"1")
+                os.read(done_r, 1)
+            finally:
+                os._exit(0)
+        os.close(ready_w)
+        os.close(done_r)
+        try:
+            if os.read(ready_r, 1) != b"1":
+                raise OSError("could not create the idmap user namespace")
+            for name in ("uid_map", "gid_map"):
+                _write_file(f"/proc/{pid}/{name}", uid_map.encode())
+            fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            os.close(ready_r)
+            os.close(done_w)
+            os.waitpid(pid, 0)
+        if len(self.userns) >= 64:  # ranges come and go: keep the recent ones
+            os.close(self.userns.pop(next(iter(self.userns))))
+        self.userns[uid_map] = fd
+        return fd
 
     def fork(self, target: int | None) -> int:
         """fork(); with `target` (a pidfd), the child is born in that process's pid namespace."""
@@ -480,6 +556,8 @@ class Spawner:
         _, status = os.waitpid(pid, 0)
         self.sel.unregister(c.pidfd)
         os.close(c.pidfd)
+        if c.hold is not None:
+            os.close(c.hold)
         if c.replied:
             self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
