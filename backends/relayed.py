@@ -128,8 +128,9 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     diagnosis, without a reward.
 
     Assistant turns the relay never answered (a direct provider call, text the agent wrote
-    itself) are listed in ``sample.extra_fields["unrelayed_assistant_turns"]``: the trainer has
-    no tokens of its policy for them.
+    itself) are listed in ``sample.extra_fields["unrelayed_assistant_turns"]`` (indexes into
+    ``trajectory_messages``, else ``messages``): the trainer has no tokens of its policy for
+    them.
     """
     result = flag_unrelayed_turns(result, trace)
     failure = result.failure
@@ -166,7 +167,12 @@ def attach_trace(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
 def flag_unrelayed_turns(result: RolloutResult, trace: RolloutTrace) -> RolloutResult:
     """List the sample's assistant turns that no call in ``trace`` produced (see above)."""
     sample = result.sample
-    if sample is None or not (unseen := trace.unrelayed_turns(sample.messages)):
+    if sample is None:
+        return result
+    # The chat-completions copy when there is one: a framework's native history (Strands
+    # content blocks, say) is not in the shape the relay's calls answered in.
+    messages = sample.trajectory_messages or sample.messages
+    if not (unseen := trace.unrelayed_turns(messages)):
         return result
     log.warning(
         "rollout %s: %d assistant turn(s) did not come through the relay (a direct provider "

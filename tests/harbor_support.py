@@ -47,6 +47,16 @@ class PlantsReward(_ShellAgent):
     )
 
 
+class SwapsReward(_ShellAgent):
+    """Leaves a daemon that turns the verifier's reward.txt into a link to the instruction's path."""
+
+    script = (
+        "target=$(echo {instruction}); nohup bash -c 'while :; do f=/logs/verifier/reward.txt; "
+        'if [ -f $f ] && [ ! -L $f ]; then ln -sf "$0" $f; fi; sleep 0.01; done\' "$target" '
+        ">/dev/null 2>&1 &"
+    )
+
+
 class Snoops(_ShellAgent):
     """Looks for the tests and for the label before verification; reports in its artifacts."""
 

@@ -23,6 +23,17 @@ def run_cli(
     )
 
 
+def only_run(home: Path) -> Path:
+    """The one run directory under ``home``."""
+    (run,) = (home / "runs").iterdir()
+    return run
+
+
+def rollout_dir(home: Path, name: str = "row-0-0") -> Path:
+    run = only_run(home)
+    return run / "rollouts" / f"{run.name}.{name}"
+
+
 def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path) -> None:
     out = tmp_path / "results.jsonl"
     proc = run_cli("run", "-o", str(out), home=tmp_path)
@@ -33,15 +44,15 @@ def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path) -> None:
     assert summary["rollouts"] == dataset_rows
     assert summary["mean_reward"] == 1.0  # the scripted policy computes arithmetic exactly
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    results_by_id = {r["rollout_id"]: r for r in results}
+    results_by_id = {r["rollout_id"].split(".", 1)[1]: r for r in results}
     assert len(results) == dataset_rows
     assert all(r["status"] == "success" and r["sample"]["reward"] == 1.0 for r in results)
     # Each rollout's artifacts landed in its own directory under BACKENDS_HOME.
-    replies = list((tmp_path / "rollouts").glob("row-*/artifacts/reply.txt"))
+    replies = list((only_run(tmp_path) / "rollouts").glob("*.row-*/artifacts/reply.txt"))
     assert len(replies) == dataset_rows
     # Beside them, an ATIF trajectory that Harbor's validator accepts, whose agent step carries
     # the token ids and logprobs the policy sampled, as the relay recorded them.
-    trajectory = tmp_path / "rollouts" / "row-0-0" / "trajectory.json"
+    trajectory = rollout_dir(tmp_path) / "trajectory.json"
     check = subprocess.run(
         [sys.executable, "-m", "harbor.utils.trajectory_validator", str(trajectory)],
         capture_output=True,
@@ -114,7 +125,7 @@ class Backend(LocalBackend):
         result = await super().execute(request)
         if MODE == "memory" and result.sample is not None:
             self.held.append(weakref.ref(result.sample))
-        if MODE == "lose" and request.rollout_id == "row-1-0":
+        if MODE == "lose" and request.rollout_id.endswith(".row-1-0"):
             result = result.model_copy(update={"rollout_id": "stray"})  # row-1-0 never arrives
         return result
 
@@ -141,7 +152,8 @@ def test_a_request_without_a_result_fails_the_run(tmp_path: Path) -> None:
         home=tmp_path, env={"TEST_MODE": "lose"},
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "1 of 2 rollouts returned no result: row-1-0" in proc.stderr
+    assert "1 of 2 rollouts returned no result: " in proc.stderr
+    assert ".row-1-0" in proc.stderr and "unknown ids: stray" in proc.stderr
 
 
 def test_an_empty_dataset_is_bad_input(tmp_path: Path) -> None:
@@ -172,7 +184,7 @@ def test_secrets_are_redacted_in_output_files_and_table(tmp_path: Path) -> None:
         home=tmp_path, env={"TEST_MODE": "secret"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    trajectory = (tmp_path / "rollouts/row-0-0/trajectory.json").read_text()
+    trajectory = (rollout_dir(tmp_path) / "trajectory.json").read_text()
     planted = ["hunter2pass", "sk-proj-", "abcdefghijklmnop", "policy-key-0123456789"]
     for text in (proc.stdout + proc.stderr, trajectory, out.read_text()):
         assert not [s for s in planted if s in text], text
@@ -187,17 +199,23 @@ def test_secrets_are_redacted_in_output_files_and_table(tmp_path: Path) -> None:
     assert "sk-proj-" not in proc.stdout + proc.stderr + out.read_text()
 
 
-def test_a_rerun_leaves_no_stale_files_of_the_previous_run(tmp_path: Path) -> None:
+def test_runs_one_after_the_other_keep_their_own_files(tmp_path: Path) -> None:
     ep, data = entrypoint(tmp_path), two_rows(tmp_path)
     proc = run_cli("run", ep, "-d", str(data), home=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rollout = tmp_path / "rollouts" / "row-0-0"
-    assert (rollout / "trajectory.json").exists() and (rollout / "artifacts/old.txt").exists()
+    first = rollout_dir(tmp_path)
+    assert (first / "trajectory.json").exists() and (first / "artifacts/old.txt").exists()
     proc = run_cli("run", ep, "-d", str(data), home=tmp_path, env={"TEST_MODE": "fail"})
     assert proc.returncode == 1
-    # This run has no sample: no trajectory, no artifacts, rather than the last run's.
-    assert not (rollout / "trajectory.json").exists()
-    assert not (rollout / "artifacts/old.txt").exists()
+    # The second run neither deleted the first's files nor wrote beside them.
+    assert (first / "trajectory.json").exists() and (first / "artifacts/old.txt").exists()
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2
+    second = runs[1] if runs[0] == first.parent.parent else runs[0]
+    assert not list(second.glob("rollouts/*/trajectory.json"))  # no sample, no trajectory
+    results = [json.loads(line) for line in (second / "results.jsonl").read_text().splitlines()]
+    assert {r["status"] for r in results} == {"failure"}
+    assert all(r["rollout_id"].startswith(second.name + ".") for r in results)
 
 
 @pytest.mark.parametrize(
@@ -209,6 +227,27 @@ def test_a_rerun_leaves_no_stale_files_of_the_previous_run(tmp_path: Path) -> No
         # Not the label "1" or "nan": a boolean or non-finite ground truth is refused.
         (b'{"user_prompt": "hi", "ground_truth": true}\n', "bad.jsonl:1: ground_truth:"),
         (b'{"user_prompt": "hi", "ground_truth": NaN}\n', "bad.jsonl:1: ground_truth:"),
+        # Hostile rows: refused with the line named, never a traceback or a rollout.
+        (
+            b'{"user_prompt": "ok"}\n{"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+            "bad.jsonl:2: nested deeper than 100 levels",
+        ),
+        (
+            b'{"user_prompt": "hi", "metadata": {"a": ' + b"[" * 500 + b"]" * 500 + b"}}\n",
+            "nested deeper than 100 levels",
+        ),
+        (
+            b'{"user_prompt": "hi", "metadata": {"n": ' + b"7" * 5000 + b"}}\n",
+            "bad.jsonl:1: not usable JSON (Exceeds the limit",
+        ),
+        (
+            b'{"user_prompt": "hi \\ud800 there"}\n',
+            "bad.jsonl:1: user_prompt: text with a lone surrogate",
+        ),
+        (
+            b'{"user_prompt": "hi", "metadata": {"k": ["\\udfff"]}}\n',
+            "bad.jsonl:1: metadata.k[0]: text with a lone surrogate",
+        ),
     ],
 )
 def test_bad_dataset_rows_are_named(tmp_path: Path, content: bytes, expected: str) -> None:
@@ -218,7 +257,18 @@ def test_bad_dataset_rows_are_named(tmp_path: Path, content: bytes, expected: st
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert expected in " ".join(proc.stderr.split())  # rich may wrap the message
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "rollouts").exists()  # nothing ran
+    assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_a_row_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"user_prompt": "ok"}\n{"user_prompt": "' + b"x" * 2_000_000 + b'"}\n')
+    proc = run_cli("run", "-d", str(bad), "--max-row-bytes", "1000000", home=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "bad.jsonl:2: the row is larger than the 1000000-byte limit" in " ".join(
+        proc.stderr.split()
+    )
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(
@@ -234,4 +284,4 @@ def test_bad_options_are_named(tmp_path: Path, args: list[str], expected: str) -
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "rollouts").exists()
+    assert not (tmp_path / "runs").exists()

@@ -12,13 +12,20 @@ import anyio
 import pytest
 from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfig, TrialConfig
 from harbor.trial.trial import Trial
-from harbor_support import CountingSandbox, PlantsReward, Sleeps, Snoops, write_task
+from harbor_support import (
+    CountingSandbox,
+    PlantsReward,
+    Sleeps,
+    Snoops,
+    SwapsReward,
+    write_task,
+)
 
 from backends import AgentWorkflow, HarborBackend, RolloutRequest, RolloutStatus, collect
 from backends.harbor import dataset_requests, discover_tasks
+from backends.harbor.backend import build_environment_config
 from backends.harbor.tasks import dataset_rows
 from backends.sandbox import cgroups
-from backends.sandbox.runtime import reap_orphans
 from backends.sandbox.settings import run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.anyio]
@@ -292,6 +299,7 @@ def sandbox_processes(marker: str) -> list[str]:
 
 async def test_cancel_tears_the_sandbox_down(tmp_path: Path) -> None:
     b = backend(tmp_path, Sleeps)
+    before = leftovers()  # another test's sandbox may still be stopping
     results = []
 
     async def run() -> None:
@@ -308,18 +316,41 @@ async def test_cancel_tears_the_sandbox_down(tmp_path: Path) -> None:
     [result] = results
     assert result.status is RolloutStatus.CANCELLED
     assert sandbox_processes(Sleeps.marker) == []
-    assert leftovers() == {"mounts": [], "cgroups": []}
-    assert reap_orphans() == []
+    after = leftovers()
+    assert not set(after["cgroups"]) - set(before["cgroups"]), after
+    assert not set(after["mounts"]) - set(before["mounts"]), after
 
 
-async def test_logs_are_bound_not_downloaded(tmp_path: Path) -> None:
-    """The trial's /logs directories are host binds: no download or upload of them per trial."""
+async def test_logs_are_bound_only_when_asked(tmp_path: Path) -> None:
+    """auto_mounting (opt-in) binds the trial's /logs: no download or upload of them per trial."""
     CountingSandbox.transfers.clear()
-    b = backend(tmp_path, environment="harbor_support:CountingSandbox")
+    b = backend(
+        tmp_path,
+        environment="harbor_support:CountingSandbox",
+        environment_config=EnvironmentConfig(kwargs={"auto_mounting": True}),
+    )
     [result] = await collect(b, [request("bound", "workdir-copy")])
     assert result.reward == 1.0
     assert not [t for t in CountingSandbox.transfers if "/logs" in t], CountingSandbox.transfers
     assert CountingSandbox.transfers["upload /tests"] == 1  # the rest is as in Harbor
+
+
+async def test_a_planted_symlink_never_makes_the_host_read_its_target(tmp_path: Path) -> None:
+    """A daemon left by the agent swaps reward.txt for a link to a host file during the tests.
+
+    With /logs bound to the host, Harbor (host root) followed the link and scored the host
+    file's content (0.75 here); by default /logs is downloaded, and the link is dropped.
+    """
+    secret = tmp_path / "host-secret"
+    secret.write_text("0.75\n")
+    task = write_task(
+        tmp_path / "tasks", "swap", test="echo 0 > /logs/verifier/reward.txt; sleep 1"
+    )
+    (task / "instruction.md").write_text(str(secret))  # the agent links reward.txt to it
+    b = backend(tmp_path, agent=SwapsReward, tasks_dir=tmp_path / "tasks")
+    [result] = await collect(b, [request("swap", "swap")])
+    assert result.reward != 0.75
+    assert result.failure is not None and result.failure.category == "verifier_error", result
 
 
 async def test_logs_are_downloaded_when_the_task_limits_storage(tmp_path: Path) -> None:
@@ -328,3 +359,13 @@ async def test_logs_are_downloaded_when_the_task_limits_storage(tmp_path: Path) 
     [result] = await collect(b, [request("limited", "nonroot-agent")])
     assert result.reward == 1.0
     assert CountingSandbox.transfers["download /logs/verifier"] == 1
+
+
+def test_an_environment_config_without_a_type_keeps_the_chosen_environment() -> None:
+    # Harbor fills in type="docker" when a config names no environment; that is not a choice.
+    config = build_environment_config("local", EnvironmentConfig(kwargs={"pids_limit": 64}))
+    assert config.import_path == "backends.sandbox.local:LocalSandbox"
+    assert config.kwargs == {"pids_limit": 64}
+    assert build_environment_config("docker", None).type == "docker"
+    explicit = EnvironmentConfig(type="modal")
+    assert build_environment_config("local", explicit).type == "modal"

@@ -138,7 +138,8 @@ class NanMetric(AgentWorkflow[AgentWorkflowConfig]):
     ("workflow", "category", "text"),
     [
         (WrongType, ErrorCategory.VALIDATION_ERROR, "not str"),
-        (NanMetric, ErrorCategory.AGENT_ERROR, "finite"),
+        # Built by the workflow itself, yet bad output, not a crash: named by its field.
+        (NanMetric, ErrorCategory.VALIDATION_ERROR, "metrics.score: Input should be a finite"),
     ],
 )
 async def test_bad_workflow_output_names_the_problem(

@@ -449,3 +449,30 @@ def test_the_trace_keeps_its_json_place_and_round_trips() -> None:
     again = RolloutResult.model_validate(data)
     assert again.policy_trace == trace and again.extra_fields == {"k": 1}
     assert RolloutResult(rollout_id="r", status="success").model_dump()["extra_fields"] == {}
+
+
+class OpensAClient(ScriptedWorkflow):
+    """Registers a closer on its rollout context, then fails or hangs as the metadata says."""
+
+    closed: list[str] = []
+
+    async def run(self, ctx: Any) -> Any:
+        rollout = backends.get_rollout_context()
+        assert rollout is not None
+
+        async def close() -> None:
+            await anyio.sleep(0.01)  # shielded: a cancelled rollout still gets here
+            OpensAClient.closed.append(str(rollout.rollout_id))
+
+        rollout.call_on_close(close)
+        return await super().run(ctx)
+
+
+@pytest.mark.parametrize("meta", [{}, {"fail": True}, {"sleep": 30}])
+async def test_what_a_workflow_opened_is_closed_however_it_ends(
+    meta: dict[str, Any], tmp_path: Path
+) -> None:
+    OpensAClient.closed.clear()
+    backend = LocalBackend(workflow=OpensAClient, artifacts_root=tmp_path)
+    result = await backend.execute(req(metadata=meta, grade=False, agent_timeout_sec=0.3))
+    assert OpensAClient.closed == ["r1"], result

@@ -53,9 +53,21 @@ def test_kill_9_mid_batch_then_restart_loses_nothing(tmp_path: Path) -> None:
             assert data["failure"]["category"] == "infra_error"
             assert data["err_category"] == "internal_error"
             assert data.get("sample") is None  # no reward at all, certainly not 0
+            assert "can be resubmitted under the same id" in data["err_message"]
         health = http.get("/health").json()
         assert health["lifecycle"]["active_rollouts"] == 0
+        # As its message says, an interrupted rollout runs again under its id (a new lease);
+        # a finished one does not.
+        assert http.post("/rollout", json=rollout_body("fast-0")).status_code == 409
+        again = submit(http, "slow-0")
+        assert result(http, "slow-0", again)["status"] == "success"
+        old_lease = http.get(
+            "/rollout/slow-0/result", headers={LEASE_HEADER: interrupted["slow-0"]}
+        )
+        assert old_lease.status_code == 403
         assert http.post("/rollout", json=rollout_body("slow-0")).status_code == 409
+    with server_process(tmp_path, state) as (_, url), httpx.Client(base_url=url) as http:
+        assert result(http, "slow-0", again)["status"] == "success"  # durable as any other
 
 
 def test_sigterm_drains_finishes_or_cancels_then_exits(tmp_path: Path) -> None:

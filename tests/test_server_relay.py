@@ -40,6 +40,16 @@ async def upstream() -> AsyncIterator[tuple[str, list[str]]]:
         yield url, seen_auth
 
 
+def relayed_app(backend: Any, tmp_path: Path) -> Any:
+    """A rollout server with its own relay, state and artifacts under tmp_path."""
+    return create_rollout_server(
+        backend=backend,
+        relay=True,
+        state_file=tmp_path / "state.sqlite3",
+        artifacts_root=tmp_path / "rollouts",
+    )
+
+
 async def run_one(url: str, rid: str, policy_url: str) -> dict[str, Any]:
     body = rollout_body(
         rid, chat_completions_url=policy_url + "/chat/completions", llm_api_key=UPSTREAM_KEY
@@ -60,12 +70,7 @@ async def test_policy_calls_go_through_the_relay_and_the_trace_reaches_the_train
 ) -> None:
     policy_url, seen_auth = upstream
     backend = LocalBackend(workflow=AskPolicy, grader=Exact, artifacts_root=None)
-    app = create_rollout_server(
-        backend=backend,
-        relay=True,
-        state_file=tmp_path / "state.sqlite3",
-        artifacts_root=tmp_path / "rollouts",
-    )
+    app = relayed_app(backend, tmp_path)
     async with serve_in_process(app) as url:
         data = await run_one(url, "relayed-1", policy_url)
         async with httpx.AsyncClient(base_url=url) as http:
@@ -121,3 +126,23 @@ async def test_without_a_relay_results_carry_no_trace(
     assert data["status"] == "success"
     assert "policy_trace" not in data
     assert seen_auth == [f"Bearer {UPSTREAM_KEY}"] and SEEN["key"] == UPSTREAM_KEY
+
+
+class AnswersWithoutThePolicy(AskPolicy):
+    """Asks the policy, then adds an answer of its own, as a direct provider call would."""
+
+    async def run(self, ctx: Any) -> Any:
+        messages = await super().run(ctx)
+        return [*messages, {"role": "assistant", "content": "42, I checked it myself"}]
+
+
+async def test_the_trainer_sees_which_assistant_turns_bypassed_the_relay(
+    upstream: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    policy_url, _ = upstream
+    backend = LocalBackend(workflow=AnswersWithoutThePolicy, grader=Exact, artifacts_root=None)
+    app = relayed_app(backend, tmp_path)
+    async with serve_in_process(app) as url:
+        data = await run_one(url, "bypass-1", policy_url)
+    # Message 1 came from the relay; message 2 did not, so it has no tokens to train on.
+    assert data["sample"]["extra_fields"]["unrelayed_assistant_turns"] == [2]

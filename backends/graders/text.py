@@ -26,10 +26,12 @@ def message_text(message: Mapping[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+    if isinstance(content, list):  # content parts (OpenAI, Strands blocks): keep the text ones
         return "".join(
-            str(part.get("text", ""))
+            str(part["text"])
             for part in content
-            if isinstance(part, Mapping) and part.get("type") in ("text", "output_text")
+            if isinstance(part, Mapping)
+            and "text" in part
+            and part.get("type") in (None, "text", "output_text")
         )
     return ""

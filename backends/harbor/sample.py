@@ -31,7 +31,7 @@ def _content(message: Any) -> Any:
     return [part.model_dump(exclude_none=True) for part in message]
 
 
-def _step_messages(step: Step) -> list[MessageDict]:
+def _step_messages(step: Step, *, last: bool = False) -> list[MessageDict]:
     if step.source == "system":
         return [{"role": "system", "content": _content(step.message)}]
     if step.source == "user":
@@ -49,7 +49,8 @@ def _step_messages(step: Step) -> list[MessageDict]:
             for call in step.tool_calls
         ]
     messages = [reply]
-    for result in step.observation.results if step.observation else []:
+    # The final step's observation reached no model call: the sample ends with the answer.
+    for result in step.observation.results if step.observation and not last else []:
         content = _content(result.content) if result.content is not None else ""
         if result.source_call_id:
             messages.append(
@@ -62,11 +63,15 @@ def _step_messages(step: Step) -> list[MessageDict]:
 
 
 def messages_from_trajectory(trajectory: Trajectory) -> list[MessageDict]:
-    """A trajectory's steps as chat messages (copied context, from earlier runs, left out)."""
+    """A trajectory's steps as chat messages (copied context, from earlier runs, left out).
+
+    Observations without a tool call id (terminus-2 feeds each one back as the next user
+    turn) become user messages; the final step's observation, which no model saw, is left out.
+    """
     messages: list[MessageDict] = []
-    for step in trajectory.steps:
-        if not step.is_copied_context:
-            messages.extend(_step_messages(step))
+    steps = [step for step in trajectory.steps if not step.is_copied_context]
+    for index, step in enumerate(steps):
+        messages.extend(_step_messages(step, last=index == len(steps) - 1))
     return messages
 
 

@@ -96,7 +96,26 @@ def build_call(raw: RawCall) -> CallRecord:
                 prompt_ids = choices[0].get("prompt_token_ids")  # some servers put it per choice
         if _is_int_list(prompt_ids):
             fields["prompt_token_ids"] = prompt_ids
+        _drop_extracted(response, fields)
     return CallRecord(**fields)
+
+
+def _drop_extracted(response: dict[str, Any], fields: dict[str, Any]) -> None:
+    # The parsed response is ours alone: remove from it what the record's fields now hold.
+    has_prompt_ids = "prompt_token_ids" in fields
+    if has_prompt_ids:
+        response.pop("prompt_token_ids", None)
+    choices = response.get("choices")
+    raws = [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+    for raw, choice in zip(raws, fields.get("choices", []), strict=False):
+        if has_prompt_ids:
+            raw.pop("prompt_token_ids", None)
+        if choice.token_ids is not None and raw.get("token_ids") is not None:
+            raw.pop("token_ids")
+        logprobs = raw.get("logprobs")
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if choice.logprobs is not None and choice.logprob_tokens is not None and _plain(content):
+            del logprobs["content"]  # type: ignore[union-attr]  # all of it is in the record
 
 
 def _choice(raw: dict[str, Any]) -> ChoiceRecord:
@@ -124,6 +143,17 @@ def _choice(raw: dict[str, Any]) -> ChoiceRecord:
             if fields["token_ids"] is None:
                 fields["token_ids"] = _ids_from_token_strings(strings)
     return ChoiceRecord(**fields)
+
+
+def _plain(content: Any) -> bool:
+    # Entries with nothing the record lacks: no alternatives beyond the sampled token.
+    return isinstance(content, list) and all(
+        isinstance(e, dict) and not e.get("top_logprobs") and e.keys() <= _PLAIN_LOGPROB
+        for e in content
+    )
+
+
+_PLAIN_LOGPROB = frozenset({"token", "logprob", "bytes", "top_logprobs"})
 
 
 def _ids_from_token_strings(tokens: list[str]) -> list[int] | None:

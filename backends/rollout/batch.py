@@ -69,11 +69,20 @@ async def run_batch(
         nonlocal feed_error
         async with send, anyio.create_task_group() as inner:
             try:
-                for request in requests:
-                    # Take the slot before starting the task, so a huge batch is never all
-                    # tasks at once.
+                pending = iter(requests)
+                while True:
+                    # The slot first, then the next request: a streamed dataset builds a
+                    # request only when it can start, a huge batch is never all tasks at once,
+                    # and a generator told to stop is asked before anything more starts.
                     await slots.acquire()
+                    try:
+                        request = next(pending)
+                    except BaseException:  # the end, or a broken iterable (raised below)
+                        slots.release()
+                        raise
                     inner.start_soon(one, request)
+            except StopIteration:
+                pass
             except Exception as exc:
                 # A broken requests iterable: stop feeding, let the started rollouts finish
                 # and be read, and raise it (unwrapped) when the stream ends.

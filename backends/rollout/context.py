@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,8 @@ class GraderContext:
         self.sample.reward = check_reward(reward)
 
 
+log = logging.getLogger(__name__)
+
 _current: ContextVar[RolloutContext | None] = ContextVar("backends_rollout_context", default=None)
 
 # Inside a sandbox the runner learns its endpoint from these variables.
@@ -77,6 +81,9 @@ class RolloutContext:
     preview_enabled: bool = True
     sample_source: SampleSource | None = field(default=None, repr=False)
     _token: Token[RolloutContext | None] | None = field(default=None, init=False, repr=False)
+    _closers: list[Callable[[], Awaitable[object]]] = field(
+        default_factory=list, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.chat_completions_url = self.chat_completions_url or os.environ.get(
@@ -100,6 +107,19 @@ class RolloutContext:
                 "a sample source is already registered for this rollout; each rollout has one"
             )
         self.sample_source = source
+
+    def call_on_close(self, closer: Callable[[], Awaitable[object]]) -> None:
+        """Await ``closer`` when the rollout's workflow ends (an integration's HTTP client, say)."""
+        self._closers.append(closer)
+
+    async def aclose(self) -> None:
+        """Run the closers, last registered first; a failing one is logged, not raised."""
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                await closer()
+            except Exception:
+                log.exception("closing a resource of rollout %s failed", self.rollout_id)
 
     async def get_sample(self) -> RolloutSample:
         if self.sample_source is None:

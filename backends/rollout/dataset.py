@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from backends.rollout.request import RolloutRequest
-from backends.rollout.sample import MessageDict
+from backends.rollout.sample import MAX_JSON_DEPTH, MessageDict, json_problem
 
 
 class DatasetError(ValueError):
@@ -54,41 +54,75 @@ class DatasetRow(BaseModel):
         return None if value is None else str(value)
 
 
-def read_rows(path: Path) -> Iterator[tuple[int, DatasetRow]]:
-    """Yield ``(line_number, row)``; a malformed line raises ``DatasetError`` naming it."""
+# A row is one rollout's prompt and metadata: larger than the server's request limit is not
+# a prompt but a mistake (or an attack), refused before it is read into memory.
+DEFAULT_MAX_ROW_BYTES = 16 * 1024 * 1024
+
+
+def read_rows(
+    path: Path, *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+) -> Iterator[tuple[int, DatasetRow]]:
+    """Yield ``(line_number, row)`` as the file is read (memory does not grow with the rows);
+    a malformed line raises ``DatasetError`` naming it: bad JSON or UTF-8, a row over
+    ``max_row_bytes``, nesting deeper than ``MAX_JSON_DEPTH``, a number Python cannot print,
+    text with a lone surrogate (no UTF-8 form, so no rollout could send it), a bad field."""
     if not path.is_file():
         raise DatasetError(f"dataset {path} does not exist")
-    # Bytes, decoded line by line, so that a bad encoding is reported with its line number.
+    # Bytes, decoded line by line, so that a bad encoding is reported with its line number;
+    # read with a bound, so a huge line is refused without being held whole.
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
+        number = 0
+        while raw := handle.readline(max_row_bytes + 1):
+            number += 1
+            if len(raw.rstrip(b"\r\n")) > max_row_bytes:
                 raise DatasetError(
-                    f"{path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x} "
-                    f"at column {exc.start + 1})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(data, dict):
-                raise DatasetError(f"{path}:{number}: a row must be a JSON object")
-            try:
-                row = DatasetRow.model_validate(data)
-            except ValidationError as exc:
-                error = exc.errors()[0]
-                # The column, not the union member pydantic tried last ("ground_truth", not ".str").
-                field = error["loc"][0] if error["loc"] else "row"
-                raise DatasetError(f"{path}:{number}: {field}: {error['msg']}") from None
-            if not row.user_prompt and not row.metadata:
-                raise DatasetError(f"{path}:{number}: a row needs user_prompt or metadata")
-            yield number, row
+                    f"{path}:{number}: the row is larger than the {max_row_bytes}-byte limit"
+                )
+            if (row := _parse_row(path, number, raw)) is not None:
+                yield number, row
 
 
-def requests_from_dataset(
+def _parse_row(path: Path, number: int, raw: bytes) -> DatasetRow | None:
+    where = f"{path}:{number}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(
+            f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise DatasetError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise DatasetError(f"{where}: not usable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise DatasetError(f"{where}: a row must be a JSON object")
+    if problem := json_problem(data, "row", strict_text=True):
+        raise DatasetError(f"{where}: {problem.removeprefix('row.')}")
+    try:
+        row = DatasetRow.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        # The column, not the union member pydantic tried last ("ground_truth", not ".str").
+        field = error["loc"][0] if error["loc"] else "row"
+        raise DatasetError(f"{where}: {field}: {error['msg']}") from None
+    if not row.user_prompt and not row.metadata:
+        raise DatasetError(f"{where}: a row needs user_prompt or metadata")
+    return row
+
+
+def count_rows(path: Path, *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> int:
+    """Check every row (``DatasetError`` at the first bad one) and count them, keeping none:
+    a run refuses bad input before its first rollout without holding the dataset."""
+    return sum(1 for _ in read_rows(path, max_row_bytes=max_row_bytes))
+
+
+def iter_requests(
     path: Path,
     *,
     id_prefix: str = "row",
@@ -98,23 +132,28 @@ def requests_from_dataset(
     chat_completions_url: str | None = None,
     api_key: str | None = None,
     grade: bool = True,
-) -> list[RolloutRequest]:
-    """One request per row and sample: ids ``<prefix>-<row>-<sample>``, row index in extra_fields."""
-    requests = []
-    for index, (_, row) in enumerate(read_rows(path)):
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+) -> Iterator[RolloutRequest]:
+    """One request per row and sample, built as they are taken (the dataset is streamed): ids
+    ``<prefix>-<row>-<sample>``, row and sample index in ``extra_fields``."""
+    index = 0
+    for _, row in read_rows(path, max_row_bytes=max_row_bytes):
         for run in range(n_samples):
-            requests.append(
-                RolloutRequest(
-                    rollout_id=f"{id_prefix}-{index}-{run}",
-                    prompt=row.prompt(),
-                    label=row.ground_truth_text(),
-                    metadata=row.metadata,
-                    agent_timeout_sec=agent_timeout_sec,
-                    grader_timeout_sec=grader_timeout_sec,
-                    chat_completions_url=chat_completions_url,
-                    api_key=api_key,
-                    grade=grade,
-                    extra_fields={"row_index": index, "run_index": run},
-                )
+            yield RolloutRequest(
+                rollout_id=f"{id_prefix}-{index}-{run}",
+                prompt=row.prompt(),
+                label=row.ground_truth_text(),
+                metadata=row.metadata,
+                agent_timeout_sec=agent_timeout_sec,
+                grader_timeout_sec=grader_timeout_sec,
+                chat_completions_url=chat_completions_url,
+                api_key=api_key,
+                grade=grade,
+                extra_fields={"row_index": index, "run_index": run},
             )
-    return requests
+        index += 1
+
+
+def requests_from_dataset(path: Path, **options: Any) -> list[RolloutRequest]:
+    """Every request of ``iter_requests`` at once (small datasets; a run streams instead)."""
+    return list(iter_requests(path, **options))

@@ -13,7 +13,9 @@ import asyncio
 from enum import StrEnum
 
 import anyio
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+
+from backends.rollout.sample import validation_summary
 
 
 class ErrorCategory(StrEnum):
@@ -153,9 +155,14 @@ def classify(exc: BaseException, phase: Phase) -> RolloutFailure:
     category = category_of(exc)
     if category is None and _is_policy_failure(exc):
         category = ErrorCategory.POLICY_ERROR
+    if category is None and phase is Phase.AGENT and _is_output_refused(exc):
+        category = ErrorCategory.VALIDATION_ERROR
     if category is None:
         category = _PHASE_DEFAULT[phase]
-    return RolloutFailure(category=category, phase=phase, message=describe(exc))
+    message = describe(exc)
+    if category is ErrorCategory.VALIDATION_ERROR and isinstance(exc, ValidationError):
+        message = f"{exc.title}: {validation_summary(exc)}"
+    return RolloutFailure(category=category, phase=phase, message=message)
 
 
 _PHASE_DEFAULT = {
@@ -169,6 +176,15 @@ def describe(exc: BaseException) -> str:
     text = str(exc).strip()
     name = type(exc).__name__
     return f"{name}: {text}" if text else name
+
+
+# The models a workflow or integration builds its output with: their refusal is bad output
+# (a message that is not JSON, say), not a crash of the agent. (A grader's is its own failure.)
+_OUTPUT_MODELS = frozenset({"AgentWorkflowOutput", "RolloutSample"})
+
+
+def _is_output_refused(exc: BaseException) -> bool:
+    return isinstance(exc, ValidationError) and exc.title in _OUTPUT_MODELS
 
 
 def _is_policy_failure(exc: BaseException) -> bool:

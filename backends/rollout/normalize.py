@@ -8,28 +8,33 @@ from pydantic import ValidationError
 
 from backends.rollout.context import RolloutContext
 from backends.rollout.errors import RolloutValidationError
-from backends.rollout.sample import AgentWorkflowOutput, RolloutSample
+from backends.rollout.sample import (
+    AgentWorkflowOutput,
+    RolloutSample,
+    json_problem,
+    validation_summary,
+)
 
 
 async def sample_from_output(output: Any, context: RolloutContext) -> tuple[RolloutSample, dict]:
     """Return the sample and the workflow's reserved ``info`` (which never reaches the grader).
 
     ``AgentWorkflowOutput`` and a list of message dicts are taken as the sample; ``None``
-    (or an output with no messages) takes it from the registered sample source.
+    (or an output with no messages) takes it from the registered sample source. Whatever the
+    path, the sample is JSON (messages, metrics, extra fields) or the rollout fails here as a
+    validation error naming the field: nothing downstream can fail to serialize it.
     """
     if isinstance(output, list | tuple):
-        try:
-            return RolloutSample(messages=list(output)), {}
-        except ValidationError as exc:
-            raise RolloutValidationError(f"run() returned an invalid message list: {exc}") from None
+        return _sample(list(output), "run() returned an invalid message list"), {}
     if output is not None and not isinstance(output, AgentWorkflowOutput):
         raise RolloutValidationError(
             "run() must return AgentWorkflowOutput, a list of message dicts or None, "
             f"not {type(output).__name__}"
         )
+    info = _info(output)
     if output is not None and output.messages is not None:
-        sample = RolloutSample(messages=output.messages, metrics=dict(output.metrics))
-        return sample, dict(output.info)
+        sample = _sample(output.messages, "run() returned invalid output", dict(output.metrics))
+        return sample, info
 
     if context.sample_source is None:
         raise RolloutValidationError(
@@ -41,7 +46,27 @@ async def sample_from_output(output: Any, context: RolloutContext) -> tuple[Roll
         raise RolloutValidationError(
             f"the sample source returned {type(sample).__name__}, not a RolloutSample"
         )
+    # Built by an integration, perhaps with model_construct or mutated since: check again.
+    if problem := json_problem(sample.messages, "messages") or json_problem(
+        sample.extra_fields, "extra_fields"
+    ):
+        raise RolloutValidationError(f"the sample source returned an invalid sample: {problem}")
     if output is not None:
         sample.metrics = {**sample.metrics, **output.metrics}
-        return sample, dict(output.info)
-    return sample, {}
+    return sample, info
+
+
+def _sample(messages: list[Any], what: str, metrics: dict[str, Any] | None = None) -> RolloutSample:
+    try:
+        return RolloutSample(messages=messages, metrics=metrics or {})
+    except ValidationError as exc:
+        raise RolloutValidationError(f"{what}: {validation_summary(exc)}") from None
+
+
+def _info(output: AgentWorkflowOutput | None) -> dict[str, Any]:
+    if output is None:
+        return {}
+    # Validated when built, but a dict can be filled in afterwards.
+    if problem := json_problem(output.info, "info"):
+        raise RolloutValidationError(f"run() returned invalid output: {problem}")
+    return dict(output.info)

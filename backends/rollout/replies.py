@@ -44,10 +44,16 @@ def same_reply(message: Mapping[str, Any], reply: Mapping[str, Any] | None) -> b
 
 
 def _text(content: Any) -> str:
+    # Text parts (``[{"type": "text", "text": ...}]``) read as the string they spell, so a
+    # framework that stores the answer as parts still matches the call's plain-text answer.
     if content is None:
         return ""
     if isinstance(content, str):
         return content.strip()
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") in ("text", "output_text") for p in content
+    ):
+        return "".join(str(p.get("text", "")) for p in content).strip()
     return json.dumps(content, sort_keys=True)
 
 
@@ -55,8 +61,15 @@ def _calls(tool_calls: Any) -> list[tuple[str, str]]:
     out = []
     for call in tool_calls or []:
         function = (call.get("function") or {}) if isinstance(call, Mapping) else {}
-        arguments = function.get("arguments")
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, sort_keys=True)
-        out.append((str(function.get("name")), arguments))
+        out.append((str(function.get("name")), _canonical(function.get("arguments"))))
     return out
+
+
+def _canonical(arguments: Any) -> str:
+    # Frameworks parse the model's arguments and dump them again: compare the JSON, not spacing.
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True)

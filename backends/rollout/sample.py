@@ -8,7 +8,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MessageDict = dict[str, Any]
 
@@ -44,11 +51,87 @@ def utf8_json_text(text: str) -> tuple[str, bytes]:
 
 
 class MessageFormatError(TypeError, ValueError):
-    """Messages are not a list of dicts with a role (a ValueError too, so pydantic reports it)."""
+    """Messages are not a list of JSON-shaped dicts with a role (a ValueError too, so pydantic
+    reports it)."""
+
+
+# Deeper than this is not a conversation: a hostile row or a cycle's worth of nesting, which
+# would exhaust the recursion limit of every JSON encoder downstream.
+MAX_JSON_DEPTH = 100
+# Python refuses to print an int of more than 4300 digits (sys.int_info); stay below it.
+_MAX_INT_BITS = 14_000
+
+
+def json_problem(value: Any, where: str, *, strict_text: bool = False) -> str | None:
+    """Why ``value`` cannot be saved or sent as JSON, naming the path (``where.a[2].b``), or
+    ``None``. JSON here means dicts with string keys, lists, strings, finite numbers, booleans
+    and ``None``. ``strict_text`` also refuses lone surrogates (which have no UTF-8 form).
+    """
+    found = _problem(value, 0, strict_text)
+    if found is None:
+        return None
+    path, message = found
+    text = where + "".join(reversed(path))
+    if len(text) > 120:  # a path 100 levels deep says no more than its two ends
+        text = f"{text[:60]}...{text[-40:]}"
+    return f"{text}: {message}"
+
+
+def _problem(value: Any, depth: int, strict_text: bool) -> tuple[list[str], str] | None:
+    # Recursive (depth is bounded); the path is built only on the way out of an error.
+    if isinstance(value, str):
+        if strict_text and _LONE_SURROGATE.search(value):
+            return [], "text with a lone surrogate (not encodable as UTF-8)"
+        return None
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if value.bit_length() <= _MAX_INT_BITS else ([], "integer too large")
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ([], f"{value} is not a finite number")
+    if depth >= MAX_JSON_DEPTH:
+        return [], f"nested deeper than {MAX_JSON_DEPTH} levels"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return [], f"key {key!r} is not a string"
+            if found := _problem(item, depth + 1, strict_text):
+                found[0].append(f".{key}")
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if found := _problem(item, depth + 1, strict_text):
+                found[0].append(f"[{i}]")
+                return found
+        return None
+    return [], f"{type(value).__name__} is not JSON (use text, numbers, lists or dicts)"
+
+
+def validation_summary(exc: ValidationError) -> str:
+    """The first problem pydantic found, in one line (its full text repeats the input)."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    # The message often names the path itself (messages[1].content: ...).
+    return (message if message.startswith(where) else f"{where}: {message}") + more
+
+
+def check_json[T](value: T, where: str) -> T:
+    """``value`` if it is JSON (see ``json_problem``), else ``MessageFormatError`` naming the path."""
+    if problem := json_problem(value, where):
+        raise MessageFormatError(problem)
+    return value
 
 
 def check_messages(messages: Any, what: str = "messages") -> list[MessageDict]:
-    """Return ``messages`` as a list of dicts, or raise ``MessageFormatError`` naming the problem."""
+    """Return ``messages`` as a list of dicts, or raise ``MessageFormatError`` naming the problem:
+    a message that is not a dict, has no role, or holds something JSON cannot carry (content,
+    tool calls and every other field), so no serialization error can happen later."""
     if not isinstance(messages, list | tuple):
         raise MessageFormatError(
             f"{what} must be a list of message dicts, got {type(messages).__name__}"
@@ -60,7 +143,7 @@ def check_messages(messages: Any, what: str = "messages") -> list[MessageDict]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise MessageFormatError(f"{what}[{i}] has no 'role' string")
-        out.append(dict(message))
+        out.append(check_json(dict(message), f"{what}[{i}]"))
     return out
 
 
@@ -80,6 +163,11 @@ class AgentWorkflowOutput(BaseModel):
     @classmethod
     def _messages_are_dicts(cls, value: Any) -> Any:
         return None if value is None else check_messages(value)
+
+    @field_validator("info")
+    @classmethod
+    def _info_is_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json(value, "info")
 
 
 class RolloutSample(BaseModel):
@@ -103,6 +191,11 @@ class RolloutSample(BaseModel):
     @classmethod
     def _messages_are_dicts(cls, value: Any) -> Any:
         return check_messages(value)
+
+    @field_validator("extra_fields")
+    @classmethod
+    def _extra_fields_are_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_json(value, "extra_fields")
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -152,10 +245,10 @@ def check_reward(reward: Any) -> float:
 
 
 def sample_problem(sample: RolloutSample) -> str | None:
-    """What is wrong with the sample's reward or metrics, or ``None``.
+    """What is wrong with the sample's reward, metrics, messages or extra fields, or ``None``.
 
-    Checked when the result is built: ``sample.metrics[...] = nan`` mutates the dict in place,
-    which no validator sees.
+    Checked when the result is built: ``sample.metrics[...] = nan`` or
+    ``sample.messages[-1]["content"] = b"..."`` mutates in place, which no validator sees.
     """
     if sample.reward is not None:
         try:
@@ -165,4 +258,8 @@ def sample_problem(sample: RolloutSample) -> str | None:
     for key, value in sample.metrics.items():
         if not isinstance(value, int | float) or not math.isfinite(value):
             return f"metrics[{key!r}] must be a finite number, got {value!r}"
-    return None
+    return (
+        json_problem(sample.messages, "messages")
+        or json_problem(sample.trajectory_messages, "trajectory_messages")
+        or json_problem(sample.extra_fields, "extra_fields")
+    )

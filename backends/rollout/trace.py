@@ -58,7 +58,9 @@ class CallRecord(BaseModel):
     stream: bool = False
     attempts: int = 1  # > 1 when client retries of the same request were folded in
     request: dict[str, Any] | None = None  # as the client sent it
-    response: dict[str, Any] | None = None  # a streamed response is reassembled into this shape
+    # As the upstream sent it (a stream reassembled), minus the token ids and logprobs read
+    # into ``choices`` and ``prompt_token_ids``: each list is stored once, not twice.
+    response: dict[str, Any] | None = None
     model: str | None = None
     usage: dict[str, Any] | None = None
     choices: list[ChoiceRecord] = Field(default_factory=list)

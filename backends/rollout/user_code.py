@@ -11,6 +11,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from backends.rollout.context import AgentWorkflowContext, GraderContext, RolloutContext
 from backends.rollout.normalize import sample_from_output
 from backends.rollout.sample import MessageDict, RolloutSample, json_copy
@@ -28,7 +30,8 @@ async def run_workflow(
     """Run ``workflow`` on ``prompt`` with ``context`` as the ambient rollout context.
 
     Returns the sample and the workflow's ``info``. Raises whatever the workflow raises, and
-    ``RolloutValidationError`` when its output has the wrong shape. The workflow gets copies of
+    ``RolloutValidationError`` when its output has the wrong shape. What integrations
+    registered with ``context.call_on_close`` is closed when the workflow ends. The workflow gets copies of
     the prompt and metadata, never the label.
     """
     ctx = AgentWorkflowContext(
@@ -38,8 +41,12 @@ async def run_workflow(
         artifacts_dir=artifacts_dir,
     )
     with context:
-        output = await workflow.run(ctx)
-        return await sample_from_output(output, context)
+        try:
+            output = await workflow.run(ctx)
+            return await sample_from_output(output, context)
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled rollout still closes its clients
+                await context.aclose()
 
 
 async def grade_sample(

@@ -139,7 +139,10 @@ class LocalSandbox(BaseEnvironment):
     - `auto_mounting` (Harbor's own switch): True binds the trial's /logs/agent,
       /logs/verifier and /logs/artifacts to its host directories, as Harbor's mounted
       environments do, sparing a download per directory. Refused with an enforced
-      `storage_mb`: files written there would escape the disk limit. Harbor's `mounts`
+      `storage_mb`: files written there would escape the disk limit. It trusts the sandbox
+      with those host directories: whatever root inside plants there (a symlink to a host
+      file, a sparse 1 TiB reward.txt) is what host-side readers such as Harbor's verifier
+      open, unchecked and unbounded, so use it only for trusted agents. Harbor's `mounts`
       (bind type) are bound likewise.
 
     Not supported, and refused at construction with an error naming it: GPUs and TPUs,

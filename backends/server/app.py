@@ -101,6 +101,8 @@ class _Rollout:
     scope: anyio.CancelScope | None = None
     cancel_requested: bool = False
     cancel_deadline: float | None = None
+    started: bool = False  # handed to the backend: a cancel now stops a running rollout
+    disposition: str | None = None  # what the first cancel answered; a repeat says the same
     lease_expired: bool = False
     delivered: bool = False
 
@@ -170,6 +172,7 @@ class RolloutServer:
 
         self._store = Store(self.state_file, synchronous=synchronous)
         self._state_error: str | None = None  # set once a final result could not be committed
+        self._admission_error: str | None = None  # the last admission's commit failed: why
         self._rollouts: dict[str, _Rollout] = {}
         self._active: dict[str, _Rollout] = {}
         self._keys: dict[str, str] = {}  # in memory only, while the rollout runs
@@ -305,7 +308,7 @@ class RolloutServer:
         except ValidationError as exc:
             raise from_validation_error(exc) from None
         rid = init.rollout_id
-        if rid in self._rollouts:
+        if (existing := self._rollouts.get(rid)) is not None and not _resubmittable(existing):
             raise ProtocolError(409, f"rollout {rid!r} already exists")
         if not self.backend.has_capacity():
             raise ProtocolError(
@@ -322,13 +325,21 @@ class RolloutServer:
         self._tasks.start(self._run(entry, request))
         try:
             await self._store.accept(rid, lease_sha, time.time(), _request_json(request))
-        except Exception:
-            # Not durable, so not accepted: stop the work we started and free the id.
+        except Exception as exc:
+            # Not durable, so not accepted: stop the work we started and free the id (or give
+            # it back to the result it replaced).
             log.exception("could not record rollout %s", rid)
-            self._abandon(entry)
+            self._abandon(entry, existing)
             if failure := self._state_failure():
                 raise _unhealthy(failure) from None
-            raise ProtocolError(500, "could not record the rollout in the state file") from None
+            # Likely passing (a full disk, a busy file): say why, and when to come back.
+            self._admission_error = (
+                f"could not record a new rollout in the state file: {describe(exc)}"
+            )
+            raise ProtocolError(
+                503, self._admission_error, {"retry-after": str(RETRY_AFTER_SEC)}
+            ) from None
+        self._admission_error = None
         body = b'{"rollout_id": ' + _dumps(rid) + b', "polling_lease_token": "'
         await _respond(send, 202, body + token.encode() + b'"' + self._init_response_tail)
 
@@ -351,13 +362,16 @@ class RolloutServer:
             if not message.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _abandon(self, entry: _Rollout) -> None:
+    def _abandon(self, entry: _Rollout, previous: _Rollout | None = None) -> None:
         entry.cancel_requested = True
         if entry.scope is not None:
             entry.scope.cancel()
         self._active.pop(entry.rollout_id, None)
-        self._rollouts.pop(entry.rollout_id, None)
         self._keys.pop(entry.rollout_id, None)
+        if previous is not None:
+            self._rollouts[entry.rollout_id] = previous
+        else:
+            self._rollouts.pop(entry.rollout_id, None)
 
     # -- one rollout -----------------------------------------------------------------------
 
@@ -368,6 +382,7 @@ class RolloutServer:
                 entry.scope = scope
                 if entry.cancel_requested:
                     scope.cancel()
+                entry.started = True
                 try:
                     result = await self.backend.execute(request)
                 except Exception as exc:
@@ -438,7 +453,8 @@ class RolloutServer:
                     category=ErrorCategory.INTERNAL_ERROR,
                     phase=Phase.AGENT,
                     message=f"the server could not record this rollout's result in its state "
-                    f"file ({error}), so it withholds it; the rollout can be resubmitted",
+                    f"file ({error}), so it withholds it; the rollout can be resubmitted under the same "
+                    "id once the server is healthy",
                 ),
             )
             text, data = _result_json(result_body(result), key)
@@ -550,6 +566,9 @@ class RolloutServer:
         out: dict[str, str] = {}
         for entry in entries:
             rid = entry.rollout_id
+            if entry.disposition is not None:  # a repeat: what it was when first cancelled
+                out[rid] = entry.disposition
+                continue
             entry.cancel_requested = True
             entry.cancel_deadline = deadline
             disposition = answered.get(rid)
@@ -557,13 +576,14 @@ class RolloutServer:
                 # The backend has not seen it yet (or cannot cancel): stop our own task.
                 if entry.scope is not None:
                     entry.scope.cancel()
-                queued = live[rid] in (None, RolloutStatus.QUEUED)
+                # Unknown to the backend yet started: it ran, and may be finishing.
+                queued = live[rid] is RolloutStatus.QUEUED or not entry.started
                 disposition = (
                     CancelDisposition.CANCELLED_QUEUED
                     if queued
                     else CancelDisposition.CANCELLED_RUNNING
                 )
-            out[rid] = CancelDisposition(disposition).value
+            out[rid] = entry.disposition = CancelDisposition(disposition).value
         return out
 
     def active_ids(self) -> list[str]:
@@ -583,8 +603,14 @@ class RolloutServer:
         except Exception as exc:
             backend = {"backend_error": describe(exc)}
         failure = self._state_failure()
+        if failure:
+            status = "unhealthy"
+        elif not self._accepting:
+            status = "draining"
+        else:
+            status = "degraded" if self._admission_error else "ok"
         out = {
-            "status": "unhealthy" if failure else "ok" if self._accepting else "draining",
+            "status": status,
             **backend,
             "instance_id": self.instance_id,
             "process_id": self.process_id,
@@ -593,8 +619,8 @@ class RolloutServer:
                 "active_rollouts": len(self._active),
             },
         }
-        if failure:
-            out["error"] = failure
+        if failure or self._admission_error:
+            out["error"] = failure or self._admission_error
         return out
 
     def _state_failure(self) -> str | None:
@@ -623,8 +649,10 @@ class RolloutServer:
                     entry.scope.cancel()
             horizon = time.time() - self.result_retention_sec
             while self._finished and self._finished[0][0] < horizon:
-                _, rid = self._finished.popleft()
-                if rid in self._rollouts and rid not in self._active:
+                finished_at, rid = self._finished.popleft()
+                kept = self._rollouts.get(rid)
+                # Not a resubmission of the same id, which finishes later (or not yet).
+                if kept is not None and kept.finished_at == finished_at:
                     del self._rollouts[rid]
                     self._store.forget(rid)
 
@@ -638,16 +666,16 @@ class RolloutServer:
             entry = _Rollout(row.rollout_id, row.lease_sha256)
             entry.body = (row.result or "{}").encode()
             entry.status = RolloutStatus(row.status)
-            entry.finished_at = row.finished_at
+            entry.finished_at = row.finished_at or time.time()
             self._rollouts[row.rollout_id] = entry
-            self._finished.append((row.finished_at or time.time(), row.rollout_id))
+            self._finished.append((entry.finished_at, row.rollout_id))
 
     @staticmethod
     def _interrupted(rollout_id: str) -> tuple[str, str]:
         result = RolloutResult.infra_failure(
             rollout_id,
             "the rollout server stopped (crash, kill or power loss) while this rollout was in "
-            "flight; its work was lost and it can be resubmitted",
+            "flight; its work was lost and it can be resubmitted under the same id",
             phase=Phase.AGENT,
         )
         return result.status.value, json.dumps(result_body(result))
@@ -817,6 +845,21 @@ def _wait_param(query: bytes, default: float) -> float:
             ],
         )
     return min(wait, default)
+
+
+# Failures that are the server's or the machinery's, not the rollout's: the same id may be
+# submitted again (an interrupted rollout's message says so).
+_RESUBMITTABLE = frozenset({ErrorCategory.INFRA_ERROR.value, ErrorCategory.INTERNAL_ERROR.value})
+
+
+def _resubmittable(entry: _Rollout) -> bool:
+    if entry.body is None:
+        return False  # in flight
+    try:
+        failure = json.loads(entry.body).get("failure") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(failure, dict) and failure.get("category") in _RESUBMITTABLE
 
 
 def _unhealthy(failure: str) -> ProtocolError:

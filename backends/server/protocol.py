@@ -43,9 +43,12 @@ WIRE_CATEGORY: dict[ErrorCategory, str | None] = {
 
 
 class RolloutInitRequest(BaseModel):
-    """``POST /rollout``. Unknown fields are ignored so newer trainers still get through."""
+    """``POST /rollout``. Unknown fields are ignored so newer trainers still get through.
 
-    model_config = ConfigDict(extra="ignore")
+    Strict: ``"grade": "no"`` is not false, nor ``"5"`` five seconds (422 instead).
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     rollout_id: str
     initial_messages: list[MessageDict]
@@ -100,9 +103,12 @@ class RolloutInitRequest(BaseModel):
 
 
 class CancelRolloutsRequest(BaseModel):
-    """``POST /rollout/cancel``: exactly one of ``ids``, ``prefix`` or ``all: true``."""
+    """``POST /rollout/cancel``: exactly one of ``ids``, ``prefix`` or ``all: true``.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict: only JSON ``true`` selects everything (``"yes"`` or ``1`` is a 422, not a purge).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     ids: list[str] | None = None
     prefix: str | None = None

@@ -1,0 +1,339 @@
+"""One Harbor trial as the shared rollout phases (``backends.rollout.phases``).
+
+    admit       which task (dataset mode: ``metadata["harbor_task_id"]``) and which instruction
+                (template mode: the prompt); a model-driven agent needs a policy route
+    provision   Harbor loads the task and builds the trial (nothing runs yet)
+    run_agent   Harbor's ``Trial.run``: sandbox, healthcheck, agent setup, agent, verifier
+    grade       the verifier's reward, or the host ``Grader``'s (templates without tests)
+    finalize    secrets scrubbed from the trial's files, artifacts to the sink, retention
+
+Harbor's trial reports every failure as an exception name with timings; ``outcome_of`` maps it
+to our category and phase once. The driver would put any failure raised from ``run_agent`` in
+the agent phase, so ``complete`` restores the phase the trial itself recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from harbor.agents.base import BaseAgent
+from harbor.agents.factory import AgentFactory
+from harbor.agents.installed.base import BaseInstalledAgent
+from harbor.models.trial.config import (
+    AgentConfig,
+    EnvironmentConfig,
+    TaskConfig,
+    TrialConfig,
+    VerifierConfig,
+)
+from harbor.trial.hooks import TrialEvent, TrialHookEvent
+from harbor.trial.trial import Trial
+
+from backends.harbor.agents import AgentSpec
+from backends.harbor.files import ArtifactSink, Retention, scrub_secrets
+from backends.harbor.outcome import TrialOutcome, outcome_of
+from backends.harbor.sample import build_sample, phase_timings
+from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
+from backends.harbor.trial import run_to_end
+from backends.rollout.errors import RolloutError, RolloutFailure, RolloutValidationError, describe
+from backends.rollout.inflight import Tracked
+from backends.rollout.phases import RolloutPhases
+from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
+from backends.rollout.route import PolicyRoute
+from backends.rollout.sample import RolloutSample
+from backends.rollout.user_code import fresh_config, grade_sample
+from backends.rollout.workflow import Grader
+
+# The model a model-driven agent asks for when none is given: LiteLLM's OpenAI-compatible
+# provider, which sends it to the route's base URL as "policy".
+DEFAULT_MODEL = "openai/policy"
+RELAY_PORT = 18080  # the in-sandbox forwarder's port (LocalSandbox's default)
+
+# terminus-2 options for training: token ids and logprobs collected, no summarization (it
+# would fork the token trajectory), its trajectory holding the model's raw answers (so each
+# agent step matches its relay call), no terminal recording.
+TERMINUS_DEFAULTS: dict[str, Any] = {
+    "collect_rollout_details": True,
+    "enable_summarize": False,
+    "trajectory_config": {"raw_content": True, "linear_history": True},
+    "record_terminal_session": False,
+}
+
+
+@dataclass
+class TrialSettings:
+    """What every trial of one HarborBackend shares."""
+
+    tasks_dir: Path
+    task_mode: str
+    agent: AgentSpec
+    model_name: str | None
+    native_agent_kwargs: dict[str, Any]
+    environment: EnvironmentConfig
+    trials_dir: Path
+    agent_setup_timeout_sec: float | None
+    grader: type[Grader] | None
+    grader_config: Any
+    sink: ArtifactSink
+    retention: Retention
+    local_sandbox: bool
+    active_trials: set[str] = field(default_factory=set)
+    _agent_class: type[BaseAgent] | None = None
+
+    def agent_class(self) -> type[BaseAgent]:
+        """The agent's class (imported once: terminus-2 brings Harbor's LiteLLM, ~7 s)."""
+        if self._agent_class is None:
+            self._agent_class = AgentFactory.get_agent_class_from_config(
+                AgentConfig(name=self.agent.name, import_path=self.agent.import_path)
+            )
+        return self._agent_class
+
+
+class TrialFailed(RolloutError):
+    """A trial ended without a usable reward; ``failure`` says where and why."""
+
+    def __init__(self, failure: RolloutFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def _trial_name(rollout_id: str, attempt: int) -> str:
+    # A directory name: rollout ids are safe already, but may be longer than a name can be.
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", rollout_id[:200])
+    return name if attempt == 1 else f"{name}.attempt-{attempt}"
+
+
+class TrialPhases(RolloutPhases):
+    """One attempt at one rollout: one Harbor trial."""
+
+    no_reward_message = "the verifier produced no reward"
+
+    def __init__(
+        self, settings: TrialSettings, request: RolloutRequest, tracked: Tracked, attempt: int
+    ) -> None:
+        # Harbor enforces the agent timeout itself, on the agent's run alone, and still grades
+        # an agent that ran out of time (its reward is a valid measurement): the driver's
+        # deadline, which would also count the sandbox start and the verifier, stays off.
+        super().__init__(request.model_copy(update={"agent_timeout_sec": None}), tracked)
+        self.settings = settings
+        self.agent_timeout_sec = request.agent_timeout_sec
+        self.attempt = attempt
+        self.trial_name = _trial_name(request.rollout_id, attempt)
+        self.trial_dir = settings.trials_dir / self.trial_name
+        self.task_dir = settings.tasks_dir
+        self.instruction = ""
+        self.trial: Trial | None = None
+        self.outcome: TrialOutcome | None = None
+        self.succeeded = False
+        self.timings: dict[str, float] = {}
+
+    @property
+    def retry_is_fresh(self) -> bool:
+        """Whether a retry starts clean: no policy call can have been made by this attempt."""
+        if not self.settings.agent.calls_model:
+            return True
+        return self.outcome is None or self.outcome.stage in ("environment", "agent_setup")
+
+    # -- the phases ------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        request = self.request
+        if self.settings.task_mode == "dataset":
+            task_id = (request.metadata or {}).get(TASK_ID_KEY)
+            self.task_dir = resolve_task_id(self.settings.tasks_dir, task_id)
+        else:
+            self.instruction = render_instruction(request.prompt)
+            if not self.instruction.strip():
+                raise RolloutValidationError(
+                    "template mode needs a prompt: the request's messages become the instruction"
+                )
+            if self.settings.grader is not None and request.grade and request.label is None:
+                raise RolloutValidationError(
+                    "grading was requested but the request has no label for the grader"
+                )
+        agent = self.settings.agent
+        # Harbor's model-driven agents need a route; an agent of the user's own may not call one.
+        if agent.name is not None and agent.calls_model and self.route.base_url is None:
+            raise RolloutValidationError(
+                f"agent {self.settings.agent.label!r} calls a model, but the request names no "
+                "policy endpoint: run it through the relay (RelayedBackend, `backends run`, "
+                "the server's relay) or set chat_completions_url"
+            )
+
+    async def provision(self) -> None:
+        self.settings.active_trials.add(self.trial_name)
+        try:
+            config = self._trial_config()
+            self.trial = await Trial.create(config)
+        except RolloutValidationError:
+            raise
+        except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task
+            raise RolloutValidationError(
+                f"Harbor cannot set up a trial of {self.task_dir.name}: {describe(exc)}"
+            ) from exc
+        task = self.trial.task
+        if self.settings.task_mode == "template":
+            # The request's prompt is the instruction; the template's own text, if any, follows
+            # it (where to put the answer, say).
+            task.instruction = "\n\n".join(
+                t for t in (self.instruction, task.instruction.strip()) if t
+            )
+        self.instruction = task.instruction
+        self.trial.add_hook(TrialEvent.VERIFICATION_START, self._grading)
+
+    async def _grading(self, event: TrialHookEvent) -> None:
+        self.tracked.status = RolloutStatus.GRADING
+
+    async def run_agent(self) -> RolloutSample:
+        assert self.trial is not None
+        result = await run_to_end(self.trial)
+        self.outcome = outcome = outcome_of(result, verifier_expected=self._task_verifies)
+        self.timings = phase_timings(result)
+        steps = [s.name for s in self.trial.task.config.steps or []]
+        sample = await anyio.to_thread.run_sync(
+            lambda: build_sample(
+                result, outcome, self.trial_dir, instruction=self.instruction, step_names=steps
+            )
+        )
+        sample.reward = None  # set in grade(), if grading was asked for
+        self.extra_fields["harbor"] = {
+            "trial_name": self.trial_name,
+            "task": self.trial.task.name,
+            "attempt": self.attempt,
+            "exception_type": outcome.exception_type,
+        }
+        if outcome.failure is not None and outcome.stage != "verifier":
+            raise TrialFailed(outcome.failure)
+        return sample
+
+    async def grade(self, sample: RolloutSample) -> None:
+        assert self.outcome is not None
+        if self.outcome.failure is not None:
+            raise TrialFailed(self.outcome.failure)
+        if self.settings.grader is not None:
+            grader = self.settings.grader(config=fresh_config(self.settings.grader_config))
+            await grade_sample(
+                grader,
+                sample,
+                label=self.request.label,
+                metadata=self.request.metadata,
+                artifacts_dir=self.trial_dir / "artifacts",
+            )
+        else:
+            sample.reward = self.outcome.reward
+        self.succeeded = sample.reward is not None or sample.remove_sample
+
+    async def finalize(self) -> None:
+        secrets = [self.request.api_key, self.route.api_key]
+        stored = await anyio.to_thread.run_sync(self._finish_files, secrets)
+        self.extra_fields.setdefault("harbor", {})["artifacts"] = stored
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @property
+    def _task_verifies(self) -> bool:
+        return self.request.grade and self.settings.grader is None
+
+    def _trial_config(self) -> TrialConfig:
+        settings = self.settings
+        # Never auto_mounting by default: a bound /logs lets the sandbox plant symlinks and
+        # sparse files that Harbor then reads (or writes) on the host as root; downloads are
+        # the checked, bounded path.
+        environment = settings.environment.model_copy(deep=True)
+        return TrialConfig(
+            task=TaskConfig(path=self.task_dir),
+            trial_name=self.trial_name,
+            trials_dir=settings.trials_dir,
+            agent=self._agent_config(environment),
+            environment=environment,
+            verifier=VerifierConfig(
+                override_timeout_sec=self.request.grader_timeout_sec,
+                disable=not self._task_verifies,
+            ),
+        )
+
+    def _agent_config(self, environment: EnvironmentConfig) -> AgentConfig:
+        """The agent, wired to the rollout's policy route when it calls a model."""
+        settings = self.settings
+        kwargs = copy.deepcopy(settings.native_agent_kwargs)
+        env: dict[str, str] = {}
+        model = settings.model_name
+        base_url: str | None = None
+        route = self.route
+        if settings.agent.calls_model and route.base_url is not None:
+            model = model or DEFAULT_MODEL
+            if issubclass(settings.agent_class(), BaseInstalledAgent):
+                env = _sandbox_environment(route, environment, settings.local_sandbox)
+            elif settings.agent.name == "terminus-2":
+                # Host-side LiteLLM: the relay's host URL, the rollout's token as its key
+                # (scrubbed from the trial's files in finalize).
+                kwargs = {**TERMINUS_DEFAULTS, **kwargs, "api_base": route.base_url}
+                kwargs["llm_kwargs"] = {
+                    **kwargs.get("llm_kwargs", {}),
+                    "api_key": route.api_key or "none",
+                }
+            else:
+                base_url = route.base_url
+                env = route.environment(route.base_url)
+        return AgentConfig(
+            name=settings.agent.name,
+            import_path=settings.agent.import_path,
+            model_name=model,
+            base_url=base_url,
+            kwargs=kwargs,
+            env=env,
+            override_timeout_sec=self.agent_timeout_sec,
+            override_setup_timeout_sec=settings.agent_setup_timeout_sec,
+        )
+
+    def _finish_files(self, secrets: list[str | None]) -> list[str]:
+        """Scrub, store artifacts, apply retention; return the stored artifact paths."""
+        settings = self.settings
+        settings.active_trials.discard(self.trial_name)
+        if not self.trial_dir.is_dir():
+            return []
+        scrub_secrets(self.trial_dir, secrets)
+        stored = settings.sink.store(self.request.rollout_id, self.trial_dir / "artifacts")
+        settings.retention.finish(
+            self.trial_dir,
+            succeeded=self.succeeded,
+            active=frozenset(settings.active_trials),
+        )
+        return stored
+
+    def complete(self, result: RolloutResult) -> RolloutResult:
+        """The driver's result, with the trial's own failure phase, Harbor's timings and
+        where to look (the kept trial directory) when it failed."""
+        extra = {**result.extra_fields, **self.extra_fields}
+        if result.failure is not None:
+            failure = result.failure
+            if self.outcome is not None and self.outcome.failure is not None:
+                failure = self.outcome.failure
+            if self.trial_dir.is_dir():
+                extra.setdefault("harbor", {})["trial_dir"] = str(self.trial_dir)
+            result = result.model_copy(update={"failure": failure})
+        timings = {**result.timings, **{f"harbor.{k}": v for k, v in self.timings.items()}}
+        return result.model_copy(update={"extra_fields": extra, "timings": timings})
+
+
+def _sandbox_environment(
+    route: PolicyRoute, environment: EnvironmentConfig, local: bool
+) -> dict[str, str]:
+    """Environment variables for an agent installed in the sandbox: the relay route only.
+
+    A local sandbox reaches the relay through its Unix socket, bound in with a forwarder on
+    127.0.0.1; other sandboxes through the relay's advertised URL. Raises
+    ``RolloutValidationError`` for a route without a relay (the upstream key stays out).
+    """
+    if local:
+        base = route.sandbox_base_url(forwarder_port=RELAY_PORT)
+        environment.kwargs["relay_socket"] = str(route.relay_socket)
+        environment.kwargs["relay_port"] = RELAY_PORT
+    else:
+        base = route.sandbox_base_url()
+    return route.environment(base)
