@@ -586,3 +586,65 @@ def test_uid_ranges_are_leased_once_across_processes() -> None:
         assert mine.base not in others
     finally:
         mine.release()
+
+
+# -- a second round, against the fixes themselves ----------------------------------------------
+
+CRAFTED_MEMBERS = r"""
+import io, sys, tarfile
+kind = sys.argv[1]
+with tarfile.open("/crafted.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+    def add(name, type_, linkname="", data=None):
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname, info.mode = type_, linkname, 0o644
+        if data is not None:
+            info.size = len(data)
+        tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    if kind == "header-bomb":  # a 9 MiB long name: tarfile would hold it in memory
+        add("n" * (9 * 1024 * 1024), tarfile.REGTYPE, data=b"x")
+    elif kind == "relink":  # a file, replaced by a symlink, then hard-linked: a link to a
+        add("a", tarfile.REGTYPE, data=b"x")  # link could be aimed anywhere once in place
+        add("a", tarfile.SYMTYPE, "c")
+        add("b", tarfile.LNKTYPE, "a")
+    elif kind == "through-host-link":  # a relative link into the host's own link out
+        add("mine", tarfile.SYMTYPE, "outside-link/victim")
+"""
+
+
+async def _crafted_download(env: BaseEnvironment, tmp_path: Path, kind: str, out: Path) -> None:
+    await env.exec("rm -f /usr/local/sbin/tar")
+    await run_python(env, tmp_path, CRAFTED_MEMBERS, kind)
+    await fake_tar(env, "#!/bin/sh\nexec cat /crafted.tar\n")
+    await env.download_dir("/logs/verifier", out)
+
+
+async def test_crafted_headers_links_and_relinks_are_refused(
+    env: BaseEnvironment, tmp_path: Path, host_dir: Path
+) -> None:
+    with pytest.raises(SandboxPathError, match="not a file of this download"):
+        await _crafted_download(env, tmp_path, "relink", tmp_path / "relink")
+    assert os.listdir(tmp_path / "relink") == []  # what it had made is gone again
+    out = tmp_path / "trial"
+    out.mkdir()
+    (out / "outside-link").symlink_to(host_dir)
+    await _crafted_download(env, tmp_path, "through-host-link", out)
+    assert not (out / "mine").is_symlink()  # would have led to the host's file
+    assert (out / "outside-link").is_symlink()  # the host's own link stays
+
+
+async def test_a_header_bomb_is_refused(tmp_path: Path) -> None:
+    env = LOCAL.make(tmp_path, kwargs={"max_download_bytes": 64 * MiB})
+    await env.start(force_build=False)
+    try:
+        with pytest.raises(SandboxPathError, match="header larger than 8 MiB"):
+            await _crafted_download(env, tmp_path, "header-bomb", tmp_path / "bomb")
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_no_machinery_fd_reaches_pid_1_or_commands(env: BaseEnvironment) -> None:
+    # The spawner holds uid-range leases, idmap namespaces and pidfds: none may leak in.
+    res = await env.exec("ls /proc/1/fd; echo -; ls /proc/self/fd")
+    pid1, own = res.stdout.split("-\n")
+    assert pid1.split() == ["0", "1", "2"], res.stdout
+    assert own.split() == ["0", "1", "2", "3"], res.stdout
