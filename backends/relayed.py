@@ -173,6 +173,11 @@ def flag_unrelayed_turns(result: RolloutResult, trace: RolloutTrace) -> RolloutR
     # content blocks, say) is not in the shape the relay's calls answered in.
     messages = sample.trajectory_messages or sample.messages
     if not (unseen := trace.unrelayed_turns(messages)):
+        if UNRELAYED_FIELD in sample.extra_fields:  # only the relay may say so, not the agent
+            extra = {k: v for k, v in sample.extra_fields.items() if k != UNRELAYED_FIELD}
+            return result.model_copy(
+                update={"sample": sample.model_copy(update={"extra_fields": extra})}
+            )
         return result
     log.warning(
         "rollout %s: %d assistant turn(s) did not come through the relay (a direct provider "

@@ -184,6 +184,8 @@ async def judge(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
         text = body["messages"][-1]["content"].rsplit("Response to grade:\n", 1)[1]
         if text == "judge is down":
             return 500, {"error": {"message": "judge overloaded"}}
+        if text == "key refused":  # as providers do: the refused key echoed in the error
+            return 401, {"error": {"message": f"Incorrect API key provided: {auth[7:]}"}}
         verdicts = {
             "perfect": '{"score": 9, "explanation": "above the range"}',
             "fenced": 'Sure.\n```json\n{"score": 0.75, "explanation": "mostly right"}\n```',
@@ -238,6 +240,7 @@ async def test_a_wider_range_is_kept(judge: str) -> None:
     ("answer", "message"),
     [
         ("judge is down", "the judge 'judge' failed"),
+        ("key refused", "Incorrect API key provided: [REDACTED]"),
         ("rambling", "has no score"),
         ("nan", "not a finite number"),
     ],
@@ -246,7 +249,8 @@ async def test_judge_failures_are_verifier_errors_not_zero(
     judge: str, answer: str, message: str
 ) -> None:
     config = RubricGraderConfig(rubric=rubric(judge))
-    assert message in verifier_failure(await grade(RubricGrader, req(answer), config))
+    failure = verifier_failure(await grade(RubricGrader, req(answer), config))
+    assert message in failure and JUDGE_KEY not in failure
 
 
 async def test_a_missing_judge_key_is_named(judge: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,10 +17,14 @@ from backends import (
     ErrorCategory,
     LocalBackend,
     RolloutRequest,
+    RolloutResult,
+    RolloutSample,
     RolloutStatus,
 )
 from backends.relay import Relay
-from backends.relayed import UNRELAYED_FIELD, RelayedBackend
+from backends.relayed import UNRELAYED_FIELD, RelayedBackend, attach_trace
+from backends.rollout import CallRecord, RolloutTrace
+from backends.rollout.trace import ChoiceRecord
 
 pytestmark = pytest.mark.anyio
 
@@ -174,3 +178,21 @@ async def test_assistant_turns_the_relay_never_saw_are_flagged(
     assert [m["role"] for m in result.sample.messages] == ["user", "assistant", "assistant"]
     assert result.sample.extra_fields[UNRELAYED_FIELD] == [2]
     assert clean.sample is not None and UNRELAYED_FIELD not in clean.sample.extra_fields
+
+
+def test_only_the_relay_flags_turns_a_workflow_cannot_forge_the_flag() -> None:
+    call = CallRecord(
+        index=0,
+        method="POST",
+        path="/chat/completions",
+        started_at=0.0,
+        choices=[ChoiceRecord(index=0, message={"role": "assistant", "content": "42"})],
+    )
+    trace = RolloutTrace(rollout_id="r", registered_at=0.0, calls=[call])
+    sample = RolloutSample(
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "42"}],
+        extra_fields={UNRELAYED_FIELD: [1], "mine": 1},
+    )
+    result = RolloutResult(rollout_id="r", status=RolloutStatus.SUCCESS, sample=sample)
+    flagged = attach_trace(result, trace)
+    assert flagged.sample is not None and flagged.sample.extra_fields == {"mine": 1}

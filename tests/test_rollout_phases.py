@@ -476,3 +476,21 @@ async def test_what_a_workflow_opened_is_closed_however_it_ends(
     backend = LocalBackend(workflow=OpensAClient, artifacts_root=tmp_path)
     result = await backend.execute(req(metadata=meta, grade=False, agent_timeout_sec=0.3))
     assert OpensAClient.closed == ["r1"], result
+
+
+class HangsOnClose(ScriptedWorkflow):
+    async def run(self, ctx: Any) -> Any:
+        rollout = backends.get_rollout_context()
+        assert rollout is not None
+        rollout.call_on_close(anyio.sleep_forever)
+        return await super().run(ctx)
+
+
+async def test_a_hung_close_cannot_hold_the_rollout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("backends.rollout.user_code.CLOSE_TIMEOUT_SEC", 0.2)
+    backend = LocalBackend(workflow=HangsOnClose, artifacts_root=tmp_path)
+    with anyio.fail_after(5):
+        result = await backend.execute(req(grade=False))
+    assert result.status is RolloutStatus.SUCCESS

@@ -220,8 +220,10 @@ async def ask_judge(model_info: ModelInfo, messages: list[dict[str, str]]) -> st
                 **options,
             )
     except OpenAIError as exc:
-        # Not a policy error: the judge is the grader's own endpoint, not the policy.
-        raise VerifierError(f"the judge {model_info.model!r} failed: {exc}") from exc
+        # Not a policy error: the judge is the grader's own endpoint, not the policy. An error
+        # body may echo the key; the message lands in results and files.
+        detail = str(exc).replace(key, "[REDACTED]") if key != "none" else str(exc)
+        raise VerifierError(f"the judge {model_info.model!r} failed: {detail}") from None
     if not response.choices or not response.choices[0].message.content:
         raise VerifierError(f"the judge {model_info.model!r} answered with no text")
     return response.choices[0].message.content

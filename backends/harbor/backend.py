@@ -84,7 +84,8 @@ class HarborBackend:
     ``"terminus-2"``, ...) or a Harbor ``BaseAgent`` (class or ``"module:Class"``). Agents that
     call a model get the rollout's policy route: ``terminus-2`` (it runs on the host) its
     ``api_base`` and token; agents installed in the sandbox the route's environment variables,
-    through the relay's socket or advertised URL, never the upstream key. ``model_name``
+    through the relay's socket or advertised URL, never the upstream key; a ``BaseAgent`` of
+    your own the kwargs ``policy_base_url`` and ``policy_api_key`` (host side). ``model_name``
     defaults to ``openai/policy`` for those. ``native_agent_kwargs`` go to the agent as they
     are.
 
@@ -203,20 +204,32 @@ class HarborBackend:
         """Where ``backends run`` saves trajectories: beside the artifacts, when they are local."""
         return self.settings.sink.local_root
 
+    @artifacts_root.setter
+    def artifacts_root(self, root: Path | str) -> None:
+        # `backends run` moves a backend left on the default root into its run directory.
+        self.settings.sink = ArtifactSink(root)
+
     async def _warm_up(self) -> None:
-        """Pay Harbor's one-time costs before the first rollout: the agent's module (for
-        terminus-2, Harbor's LiteLLM, about 7 s) and LiteLLM's offline model map."""
+        """Pay one-time costs before the first rollout: the agent's module (for terminus-2,
+        Harbor's LiteLLM, about 7 s), LiteLLM's offline model map, and reaping the local
+        sandboxes of a killed earlier run."""
         # LiteLLM fetches its model cost map from the network at import unless told not to.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         await anyio.to_thread.run_sync(self.settings.agent_class)
+        if self.settings.local_sandbox:
+            # Sandboxes a killed orchestrator left behind go now, not at the first trial.
+            from backends.sandbox.runtime import reap_orphans
+
+            await anyio.to_thread.run_sync(reap_orphans)
 
     # -- the backend contract -------------------------------------------------------------
 
     def has_capacity(self) -> bool:
+        # Rollouts past the running ones wait for a slot; max_queue_depth bounds how many.
+        if self.max_queue_depth is None:
+            return True
         in_flight = self._in_flight.counts()["in_flight"]
-        if self.max_concurrent is None:
-            return self.max_queue_depth is None or in_flight < self.max_queue_depth
-        return in_flight < self.max_concurrent + (self.max_queue_depth or 0)
+        return in_flight < (self.max_concurrent or 0) + self.max_queue_depth
 
     def status(self, rollout_id: str) -> RolloutStatus | None:
         return self._in_flight.status(rollout_id)

@@ -277,9 +277,16 @@ class TrialPhases(RolloutPhases):
                     **kwargs.get("llm_kwargs", {}),
                     "api_key": route.api_key or "none",
                 }
+            elif settings.agent.name is not None:
+                base_url = route.base_url  # Harbor's other host-side agents take it as is
             else:
-                base_url = route.base_url
-                env = route.environment(route.base_url)
+                # An agent of the user's own: the route as two kwargs it may read (Harbor
+                # drops kwargs an agent does not declare).
+                kwargs = {
+                    **kwargs,
+                    "policy_base_url": route.base_url,
+                    "policy_api_key": route.api_key,
+                }
         return AgentConfig(
             name=settings.agent.name,
             import_path=settings.agent.import_path,

@@ -18,6 +18,8 @@ from backends.rollout.normalize import sample_from_output
 from backends.rollout.sample import MessageDict, RolloutSample, json_copy
 from backends.rollout.workflow import AgentWorkflow, Grader
 
+CLOSE_TIMEOUT_SEC = 10.0  # for what integrations registered with RolloutContext.call_on_close
+
 
 async def run_workflow(
     workflow: AgentWorkflow[Any],
@@ -45,7 +47,8 @@ async def run_workflow(
             output = await workflow.run(ctx)
             return await sample_from_output(output, context)
         finally:
-            with anyio.CancelScope(shield=True):  # a cancelled rollout still closes its clients
+            # A cancelled rollout still closes its clients, but a hung close cannot hold it.
+            with anyio.move_on_after(CLOSE_TIMEOUT_SEC, shield=True):
                 await context.aclose()
 
 

@@ -1,0 +1,40 @@
+"""`backends run` over HarborBackend, as a user runs it from the README."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_backends_run_dataset_mode(tmp_path: Path) -> None:
+    env = {**os.environ, "BACKENDS_HOME": str(tmp_path)}
+    rows = subprocess.run(
+        [sys.executable, "-m", "backends.harbor", str(ROOT / "tasks" / "harbor")],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout  # fmt: skip
+    picked = [r for r in rows.splitlines() if '"failing-tests"' in r or '"artifacts"' in r]
+    (tmp_path / "rows.jsonl").write_text("\n".join(picked) + "\n")
+    cmd = [
+        sys.executable, "-m", "backends.cli", "run",
+        str(ROOT / "tasks" / "rollouts" / "harbor" / "main.py") + ":dataset",
+        "-d", str(tmp_path / "rows.jsonl"), "-o", str(tmp_path / "results.jsonl"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rewards = sorted((r["extra_fields"]["harbor"]["task"], r["sample"]["reward"]) for r in results)
+    assert rewards == [("artifacts", 1.0), ("failing-tests", 0.0)]
+    # The artifacts land with the run's other files, beside each trajectory.
+    [rollouts] = list((tmp_path / "runs").glob("*/rollouts"))
+    [arts] = [r for r in results if r["extra_fields"]["harbor"]["task"] == "artifacts"]
+    folder = rollouts / arts["rollout_id"]
+    assert (folder / "artifacts" / "app" / "report.txt").read_text() == "done\n"
+    assert (folder / "trajectory.json").is_file()
