@@ -369,3 +369,24 @@ def test_an_environment_config_without_a_type_keeps_the_chosen_environment() -> 
     assert build_environment_config("docker", None).type == "docker"
     explicit = EnvironmentConfig(type="modal")
     assert build_environment_config("local", explicit).type == "modal"
+
+
+async def test_aclose_stops_every_trial_before_returning(tmp_path: Path) -> None:
+    b = backend(tmp_path, Sleeps, max_concurrent=2)
+    before = leftovers()
+    results: list = []
+
+    async def run() -> None:
+        results.extend(await collect(b, [request("a", "workdir-copy"), request("b", "artifacts")]))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        with anyio.fail_after(60):
+            while len(sandbox_processes(Sleeps.marker)) < 6:
+                await anyio.sleep(0.05)
+        await b.aclose()
+        # Returned only once both sandboxes were gone.
+        assert sandbox_processes(Sleeps.marker) == []
+        after = leftovers()
+        assert not set(after["cgroups"]) - set(before["cgroups"]), after
+    assert sorted(r.status for r in results) == [RolloutStatus.CANCELLED] * 2
