@@ -390,3 +390,19 @@ async def test_aclose_stops_every_trial_before_returning(tmp_path: Path) -> None
         after = leftovers()
         assert not set(after["cgroups"]) - set(before["cgroups"]), after
     assert sorted(r.status for r in results) == [RolloutStatus.CANCELLED] * 2
+
+
+async def test_timeouts_follow_harbors_semantics(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    write_task(tasks, "slow-tests", test="sleep 30; echo 1 > /logs/verifier/reward.txt")
+    b = backend(tmp_path, tasks_dir=tasks)
+    [slow] = await collect(b, [request("slow", "slow-tests", grader_timeout_sec=1)])
+    assert slow.failure is not None
+    assert (slow.failure.category, slow.failure.phase) == ("timeout", "grading"), slow.failure
+    assert slow.reward is None
+    # An agent out of time is still graded, as in Harbor: its reward is a valid measurement.
+    b = backend(tmp_path, Sleeps)
+    [late] = await collect(b, [request("late", "workdir-copy", agent_timeout_sec=1)])
+    assert late.status is RolloutStatus.SUCCESS, late.failure
+    assert late.reward == 0.0
+    assert late.extra_fields["harbor"]["exception_type"] == "AgentTimeoutError"
