@@ -44,6 +44,8 @@ class ScriptedWorkflow(AgentWorkflow[AgentWorkflowConfig]):
             rollout.preview_enabled = False
         if meta.get("fail"):
             raise RuntimeError("the workflow failed on purpose")
+        if meta.get("block"):
+            time.sleep(float(meta["block"]))  # blocks the event loop, as a careless workflow does
         if meta.get("stream") and rollout is not None:
             source = _Growing([*ctx.prompt])
             rollout.set_sample_source(source)

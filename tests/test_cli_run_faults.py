@@ -15,6 +15,8 @@ from test_cli_run import BACKENDS, REPO, only_run, run_cli
 
 # Behaviour picked by the row's user_prompt.
 ENTRYPOINT = """
+import time
+
 import anyio
 from backends import AgentWorkflow, Grader, LocalBackend
 
@@ -30,6 +32,10 @@ class W(AgentWorkflow):
         if prompt.startswith("child"):
             # A child process per rollout: a stopped run must not leave it behind.
             await anyio.run_process(["sleep", "30.%s" % prompt.removeprefix("child")])
+        if prompt == "block":
+            time.sleep(3)  # blocks the event loop: every other rollout waits
+        if prompt == "wait":
+            await anyio.sleep(0.5)
         if prompt.startswith("big"):
             return [*ctx.prompt, {"role": "assistant", "content": "x" * int(prompt[3:])}]
         return [*ctx.prompt, {"role": "assistant", "content": "42"}]
@@ -210,3 +216,24 @@ def test_large_prompts_store_each_token_id_list_once(tmp_path: Path) -> None:
     # The prompt text three times (messages, trajectory, the trace's request), its ids once
     # ("97, " each): proportional, with nothing stored twice.
     assert len(line) < 8 * size
+
+
+def test_a_workflow_blocking_the_event_loop_is_named_and_others_do_not_time_out(
+    tmp_path: Path,
+) -> None:
+    data = dataset(tmp_path, ["wait"] * 3 + ["block"] + ["wait"] * 6)
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(
+        "run", entrypoint(tmp_path), "-d", str(data), "-o", str(out), "--max-in-flight", "10",
+        "--agent-timeout", "2", home=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    written = {r["rollout_id"].split(".", 1)[1]: r for r in results(out)}
+    blamed = written.pop("row-3-0")
+    assert {r["status"] for r in written.values()} == {"success"}, written
+    assert blamed["failure"]["category"] == "timeout"
+    assert (
+        "its own code blocked the event loop for 3.0s (at entry.py:" in blamed["failure"]["message"]
+    )
+    assert blamed["extra_fields"]["event_loop_blocked"]["seconds"] > 2.5
+    assert "blocked for 3.0s by rollout" in proc.stderr and ".row-3-0" in proc.stderr

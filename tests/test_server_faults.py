@@ -168,3 +168,25 @@ async def test_every_client_call_has_a_deadline() -> None:
         with pytest.raises(TimeoutError):
             await client.health()  # retried, still within its deadline
         assert time.monotonic() - started < 2
+
+
+async def test_a_rollout_blocking_the_loop_is_named_and_innocent_ones_keep_their_time(
+    tmp_path: Path,
+) -> None:
+    async with (
+        serve_in_process(server(tmp_path)) as url,
+        httpx.AsyncClient(base_url=url, timeout=20) as http,
+    ):
+        leases = {
+            f"innocent-{i}": await submit(http, f"innocent-{i}", metadata={"sleep": 0.5},
+                                          agent_timeout_sec=1.5)
+            for i in range(4)
+        }  # fmt: skip
+        await anyio.sleep(0.1)  # they are all running
+        culprit = await submit(http, "culprit", metadata={"block": 2.0}, agent_timeout_sec=1.5)
+        blamed = await result(http, "culprit", culprit)
+        finished = [await result(http, rid, lease) for rid, lease in leases.items()]
+    assert [r["status"] for r in finished] == ["success"] * 4, finished
+    assert blamed["status"] == "failure" and blamed["failure"]["category"] == "timeout"
+    assert "its own code blocked the event loop for 2.0s" in blamed["err_message"]
+    assert "server_support.py:" in blamed["err_message"]

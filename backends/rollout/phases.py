@@ -38,6 +38,7 @@ from backends.rollout.inflight import Tracked
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
 from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample, sample_problem
+from backends.rollout.watchdog import Watch, watching
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,18 @@ async def run_phases(
     """Drive ``phases`` through one rollout; every outcome is a result (see the module doc).
 
     Raises only when the caller is cancelled; ``phases.tracked.scope`` (``InFlight.run``)
-    turns a ``cancel()`` into a cancelled result.
+    turns a ``cancel()`` into a cancelled result. The event-loop watchdog watches it: time
+    other rollouts block the loop is added to its deadlines, and a result whose own code
+    blocked the loop says so.
     """
+    with watching(phases.request.rollout_id) as watch:
+        result = await _drive(phases, limiter, watch)
+    return watch.annotate(result)
+
+
+async def _drive(
+    phases: RolloutPhases, limiter: anyio.CapacityLimiter | None, watch: Watch
+) -> RolloutResult:
     request, tracked = phases.request, phases.tracked
     rid = request.rollout_id
     started = time.monotonic()
@@ -98,7 +109,7 @@ async def run_phases(
     timings: dict[str, float] = {}
     acquired = provisioned = False
     try:
-        with anyio.CancelScope(deadline=agent_deadline) as agent_scope:
+        with watch.deadline(agent_deadline) as agent_scope:
             if limiter is not None:
                 await limiter.acquire()
                 acquired = True
@@ -119,7 +130,7 @@ async def run_phases(
                     rid, user_code_failure(exc, Phase.AGENT), timings=timings
                 )
         timings["agent_sec"] = time.monotonic() - started - sum(timings.values())
-        if agent_scope.cancelled_caught or time.monotonic() >= agent_deadline:
+        if agent_scope.cancelled_caught or time.monotonic() >= agent_scope.deadline:
             return RolloutResult.failed(
                 rid, _timed_out(Phase.AGENT, request.agent_timeout_sec), timings=timings
             )
@@ -127,7 +138,7 @@ async def run_phases(
             return tracked.cancelled_result()
         if request.grade:
             tracked.status = RolloutStatus.GRADING
-            failure = await _grade(phases, sample, timings)
+            failure = await _grade(phases, sample, timings, watch)
         elif problem := sample_problem(sample):
             failure = classify(RolloutValidationError(problem), Phase.AGENT)
         else:
@@ -150,14 +161,14 @@ async def run_phases(
 
 
 async def _grade(
-    phases: RolloutPhases, sample: RolloutSample, timings: dict[str, float]
+    phases: RolloutPhases, sample: RolloutSample, timings: dict[str, float], watch: Watch
 ) -> RolloutFailure | None:
     request = phases.request
     sample.label = request.label
     graded_at = time.monotonic()
     deadline = _deadline(graded_at, request.grader_timeout_sec)
     try:
-        with anyio.CancelScope(deadline=deadline) as scope:
+        with watch.deadline(deadline) as scope:
             try:
                 await phases.grade(sample)
             except BaseException as exc:  # sys.exit or a stray CancelledError too
@@ -166,7 +177,7 @@ async def _grade(
                 return user_code_failure(exc, Phase.GRADING)
     finally:
         timings["grader_sec"] = time.monotonic() - graded_at
-    if scope.cancelled_caught or time.monotonic() >= deadline:
+    if scope.cancelled_caught or time.monotonic() >= scope.deadline:
         return _timed_out(Phase.GRADING, request.grader_timeout_sec)
     if sample.reward is None and not sample.remove_sample:
         return classify(VerifierError(phases.no_reward_message), Phase.GRADING)

@@ -78,34 +78,44 @@ def json_problem(value: Any, where: str, *, strict_text: bool = False) -> str | 
 
 
 def _problem(value: Any, depth: int, strict_text: bool) -> tuple[list[str], str] | None:
-    # Recursive (depth is bounded); the path is built only on the way out of an error.
-    if isinstance(value, str):
+    # Recursive (depth is bounded); the path is built only on the way out of an error. Exact
+    # types first: this runs on every message of every rollout.
+    kind = type(value)
+    if kind is str or (kind not in _LEAF_KINDS and isinstance(value, str)):
         if strict_text and _LONE_SURROGATE.search(value):
             return [], "text with a lone surrogate (not encodable as UTF-8)"
         return None
-    if value is None or isinstance(value, bool):
+    if kind is dict or kind is list or kind is tuple:
+        pass
+    elif value is None or kind is bool or isinstance(value, bool):
         return None
-    if isinstance(value, int):
+    elif isinstance(value, int):
         return None if value.bit_length() <= _MAX_INT_BITS else ([], "integer too large")
-    if isinstance(value, float):
+    elif isinstance(value, float):
         return None if math.isfinite(value) else ([], f"{value} is not a finite number")
+    elif not isinstance(value, dict | list | tuple):
+        return [], f"{kind.__name__} is not JSON (use text, numbers, lists or dicts)"
     if depth >= MAX_JSON_DEPTH:
         return [], f"nested deeper than {MAX_JSON_DEPTH} levels"
+    depth += 1
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, str):
+            if type(key) is not str and not isinstance(key, str):
                 return [], f"key {key!r} is not a string"
-            if found := _problem(item, depth + 1, strict_text):
+            if type(item) is str and not strict_text:
+                continue  # the common case, without a call
+            if found := _problem(item, depth, strict_text):
                 found[0].append(f".{key}")
                 return found
         return None
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            if found := _problem(item, depth + 1, strict_text):
-                found[0].append(f"[{i}]")
-                return found
-        return None
-    return [], f"{type(value).__name__} is not JSON (use text, numbers, lists or dicts)"
+    for i, item in enumerate(value):
+        if found := _problem(item, depth, strict_text):
+            found[0].append(f"[{i}]")
+            return found
+    return None
+
+
+_LEAF_KINDS = frozenset({dict, list, tuple, int, float, bool, type(None)})
 
 
 def validation_summary(exc: ValidationError) -> str:

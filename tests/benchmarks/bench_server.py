@@ -15,6 +15,8 @@ servers run as subprocesses, each under uvicorn (uvloop + httptools):
   acceptance is committed, a result served only after it is committed). The targets apply here.
 - ``backends+files``: the same plus the per-rollout files of the default configuration: an
   artifacts directory (LocalBackend) and a saved ``trajectory.json`` for every rollout.
+- ``no-watchdog``: ``backends`` with the event-loop watchdog off (``BACKENDS_LOOP_WATCHDOG=off``):
+  the difference in server CPU per rollout is what the watchdog costs.
 
 Prints rollouts/s and p50/p99 latency (submit to final result) per level, CPU time per rollout
 of the server process and of the generator (steadier than rates on a shared machine), and the
@@ -38,7 +40,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE = "X-Osmosis-Rollout-Lease"
-KINDS = ("trivial", "backends", "backends+files")
+KINDS = ("trivial", "backends", "backends+files", "no-watchdog")
 REFERENCE = {1: 373.0, 64: 396.0, 256: 353.0}  # osmosis-ai 0.3.8, same exchange (DESIGN.md)
 
 
@@ -102,6 +104,9 @@ def serve(kind: str, port: int, workdir: str) -> None:
         app: Any = trivial_app
     elif kind == "backends":
         app = backends_app(f"{workdir}/state.sqlite3", None)
+    elif kind == "no-watchdog":
+        os.environ["BACKENDS_LOOP_WATCHDOG"] = "off"  # read when backends is imported
+        app = backends_app(f"{workdir}/no-watchdog-state.sqlite3", None)
     else:
         app = backends_app(f"{workdir}/files-state.sqlite3", f"{workdir}/rollouts")
     run(app, host="127.0.0.1", port=port, log_level="warning")
@@ -384,6 +389,15 @@ def main() -> None:
             base = med["baseline"][level]["rate"]
             row += f" {base:9.0f} {rate / base:8.2f}x"
         print(row)
+    bare = med["no-watchdog"]
+    print("\nevent-loop watchdog cost (backends against no-watchdog, medians)")
+    for level in levels:
+        cost = ours[level]["server_us"] - bare[level]["server_us"]
+        print(
+            f"  {level:4d} in flight: server CPU/rollout {ours[level]['server_us']:.0f} vs "
+            f"{bare[level]['server_us']:.0f} us ({cost:+.0f} us), rate ratio "
+            f"{ours[level]['rate'] / bare[level]['rate']:.2f}x"
+        )
     if 64 in ours:
         print(
             f"  target at 64 in flight: >= 1200/s -> {'met' if ours[64]['rate'] >= 1200 else 'MISSED'}"
