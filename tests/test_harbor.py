@@ -350,7 +350,10 @@ async def test_a_planted_symlink_never_makes_the_host_read_its_target(tmp_path: 
         tmp_path / "tasks", "swap", test="echo 0 > /logs/verifier/reward.txt; sleep 1"
     )
     (task / "instruction.md").write_text(str(secret))  # the agent links reward.txt to it
-    b = backend(tmp_path, agent=SwapsReward, tasks_dir=tmp_path / "tasks")
+    # The daemon is kept alive into verification, as if it had survived the kill.
+    b = backend(
+        tmp_path, agent=SwapsReward, tasks_dir=tmp_path / "tasks", end_agent_processes=False
+    )
     [result] = await collect(b, [request("swap", "swap")])
     assert result.reward != 0.75
     assert result.failure is not None and result.failure.category == "verifier_error", result

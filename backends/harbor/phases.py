@@ -26,6 +26,7 @@ import anyio
 from harbor.agents.base import BaseAgent
 from harbor.agents.factory import AgentFactory
 from harbor.agents.installed.base import BaseInstalledAgent
+from harbor.models.task.verifier_mode import VerifierEnvironmentMode, resolve_task_verifier_mode
 from harbor.models.trial.config import (
     AgentConfig,
     EnvironmentConfig,
@@ -209,7 +210,13 @@ class TrialPhases(RolloutPhases):
 
     async def _grading(self, event: TrialHookEvent) -> None:
         self.tracked.status = RolloutStatus.GRADING
-        if self.settings.end_agent_processes and self.trial is not None:
+        if (
+            self.settings.end_agent_processes
+            and self.trial is not None
+            # A separate verifier environment has no agent processes in it.
+            and resolve_task_verifier_mode(self.trial.task.config)
+            is not VerifierEnvironmentMode.SEPARATE
+        ):
             # A daemon the agent left could rewrite the reward the tests write, or the tests.
             result = await self.trial.agent_environment.exec(
                 _END_AGENT_PROCESSES, user="root", timeout_sec=30
