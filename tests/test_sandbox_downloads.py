@@ -1,0 +1,123 @@
+"""Harbor's other download paths (artifacts with `exclude`, logs with include/exclude filters)
+reach the host through the same checked unpacker and limits as `download_dir`.
+
+Harbor's own versions of these unpack a sandbox-made tar.gz with tarfile on the host, where a
+crafted archive writes outside the target and a compressed bomb passes every size limit.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from harbor.environments.base import BaseEnvironment
+from test_sandbox_escapes import (
+    PATH_MAX_ARCHIVE,
+    env,
+    fake_tar,
+    host_dir,
+    run_python,
+)
+
+from backends.sandbox.errors import SandboxPathError
+from backends.sandbox.unpack import DownloadTooLargeError
+
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.anyio,
+    pytest.mark.skipif(os.geteuid() != 0, reason="local sandboxes need root"),
+]
+__all__ = ["env", "host_dir"]  # fixtures
+MiB = 1024 * 1024
+
+# Whatever tar is asked for, it hands back the crafted archive: gzipped when asked for a
+# `tar czf FILE ...` (Harbor's own path), plain on stdout otherwise.
+CRAFTED_TAR = '#!/bin/sh\nif [ "$1" = czf ]; then gzip -c /crafted.tar > "$2"; else exec cat /crafted.tar; fi\n'
+
+
+async def _download(env: BaseEnvironment, how: str, out: Path) -> None:
+    if how == "exclusions":
+        await env.download_dir_with_exclusions(
+            source_dir="/logs/artifacts", target_dir=out, exclude=["*.pyc"]
+        )
+    else:
+        await env.download_dir_filtered(
+            source_dir="/logs/artifacts", target_dir=out, exclude=["*.pyc"]
+        )
+
+
+@pytest.mark.parametrize("how", ["exclusions", "filtered"])
+async def test_a_crafted_archive_writes_nothing_outside(
+    env: BaseEnvironment, tmp_path: Path, host_dir: Path, how: str
+) -> None:
+    await run_python(env, tmp_path, PATH_MAX_ARCHIVE, str(host_dir))
+    res = await env.exec("mkdir -p /logs/artifacts && echo hi > /logs/artifacts/a.txt")
+    assert res.return_code == 0, res.stderr
+    await fake_tar(env, CRAFTED_TAR)
+    out = tmp_path / "out"
+    try:
+        await _download(env, how, out)
+    except SandboxPathError:
+        pass  # refusing the archive is fine; what matters is the host below
+    victim = host_dir / "victim"
+    assert victim.read_text() == "host secret\n"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert os.listdir(host_dir) == ["victim"]
+
+
+@pytest.mark.parametrize("how", ["exclusions", "filtered"])
+@pytest.mark.parametrize(
+    ("name", "size"), [("reward.txt", 2 * MiB), ("big.bin", 16 * MiB)], ids=["parsed", "total"]
+)
+async def test_sparse_files_are_held_to_the_download_limits(
+    env: BaseEnvironment, tmp_path: Path, how: str, name: str, size: int
+) -> None:
+    # Sparse, so it compresses to nothing: the limits count apparent sizes.
+    res = await env.exec(f"mkdir -p /logs/artifacts && truncate -s {size} /logs/artifacts/{name}")
+    assert res.return_code == 0, res.stderr
+    out = tmp_path / "out"
+    with pytest.raises(DownloadTooLargeError):
+        await _download(env, how, out)
+    assert not (out / name).exists()
+
+
+async def test_exclusions_and_filters_choose_the_files(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    res = await env.exec(
+        "mkdir -p /logs/artifacts/sub && cd /logs/artifacts && echo a > keep.txt && "
+        "echo b > sub/drop.pyc && echo c > sub/keep.log && echo d > reward.txt && "
+        "ln -s keep.txt link.txt"
+    )
+    assert res.return_code == 0, res.stderr
+    excl = tmp_path / "excl"
+    await env.download_dir_with_exclusions(
+        source_dir="/logs/artifacts", target_dir=excl, exclude=["*.pyc"]
+    )
+    assert sorted(str(p.relative_to(excl)) for p in excl.rglob("*")) == [
+        "keep.txt",
+        "link.txt",
+        "reward.txt",
+        "sub",
+        "sub/keep.log",
+    ]
+    assert (excl / "link.txt").is_symlink()
+    filt = tmp_path / "filt"
+    await env.download_dir_filtered(
+        source_dir="/logs/artifacts",
+        target_dir=filt,
+        include=["*.log", "*.txt"],
+        exclude=["keep.txt"],
+        protect=["reward.txt"],
+    )
+    assert sorted(str(p.relative_to(filt)) for p in filt.rglob("*") if p.is_file()) == [
+        "reward.txt",
+        "sub/keep.log",
+    ]
+    assert (filt / "sub" / "keep.log").read_text() == "c\n"
+    with pytest.raises(FileNotFoundError):
+        await env.download_dir_filtered(
+            source_dir="/logs/missing", target_dir=tmp_path / "none", include=["*"]
+        )
