@@ -575,7 +575,8 @@ class LocalSandbox(BaseEnvironment):
             )
         paths = [os.fsdecode(n).removeprefix("./") for n in listing.stdout.split(b"\0") if n]
         selected = filter_paths_by_patterns(paths, include=include, exclude=exclude)
-        selected += [p for p in paths if p in set(protect or ()) - set(selected)]
+        protected = set(protect or ()) - set(selected)
+        selected += [p for p in paths if p in protected]
         if not selected:
             log.warning("no files in %s matched include=%s exclude=%s", source, include, exclude)
             return

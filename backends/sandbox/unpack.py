@@ -50,7 +50,7 @@ MODE_MASK = 0o755
 MAX_HEADER_BYTES = 8 * 1024 * 1024
 CHUNK = 1024 * 1024
 # Deepest member path accepted (in components): deeper is refused by name. It bounds the
-# descriptors and recursion one download and the host's link check need.
+# recursion and the directory descriptors one download needs.
 MAX_DEPTH = 256
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -58,6 +58,7 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 
 SYS_OPENAT2 = 437  # the same number on every architecture
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -69,13 +70,18 @@ class DownloadTooLargeError(OSError):
     """The download holds more than the caller allows (in total, or one parsed file)."""
 
 
+def _open_beneath(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
+    """openat2 of `path` under the directory fd `root_fd`, never leaving it: an fd, or -1."""
+    how = struct.pack("=QQQ", flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | resolve)
+    return int(_libc.syscall(SYS_OPENAT2, root_fd, os.fsencode(path), how, len(how)))
+
+
 def _resolved_beneath(root_fd: int, path: str) -> os.stat_result | None:
     """The entry `path` (relative to the directory fd `root_fd`) resolves to, per the kernel,
     if it exists inside the root; None for a dangling path, `..` past the root, an absolute
     symlink, a magic link or a loop.
     """
-    how = struct.pack("=QQQ", os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(SYS_OPENAT2, root_fd, os.fsencode(path), how, len(how))
+    fd = _open_beneath(root_fd, path, os.O_PATH, RESOLVE_NO_MAGICLINKS)
     if fd < 0:  # ENOSYS before Linux 5.6: no way to ask the kernel, so nothing is inside
         return None
     try:
@@ -94,21 +100,27 @@ def resolves_beneath(root_fd: int, path: str) -> bool:
 
 
 def _links_under(root_fd: int) -> set[str]:
-    """Every symlink in the tree of `root_fd` (to `MAX_DEPTH`), as paths relative to it."""
+    """Every symlink in the tree of `root_fd`, as paths relative to it.
+
+    Directories are reopened by path, through no symlink, so a wide tree holds no more than
+    one descriptor at a time; parts deeper than PATH_MAX are not seen (a download drops every
+    link of its own it cannot resolve, so none of them is there).
+    """
     links: set[str] = set()
-    stack = [(os.dup(root_fd), "", 0)]
-    while stack:
-        fd, rel, depth = stack.pop()
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        fd = _open_beneath(root_fd, rel or ".", _DIR_FLAGS, RESOLVE_NO_SYMLINKS)
+        if fd < 0:
+            continue
         try:
             with os.scandir(fd) as entries:
                 for entry in entries:
                     path = f"{rel}{entry.name}"
                     if entry.is_symlink():
                         links.add(path)
-                    elif entry.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
-                        with contextlib.suppress(OSError):
-                            child = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
-                            stack.append((child, path + "/", depth + 1))
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append(path + "/")
         finally:
             os.close(fd)
     return links
@@ -441,7 +453,7 @@ def _drop_escaping_links(state: _Extraction) -> None:
     """
     made = {"/".join(p) for p in state.links}
     escaping = []
-    for path in sorted(_links_under(state.root_fd)):
+    for path in sorted(_links_under(state.root_fd) | made):
         resolved = _resolved_beneath(state.root_fd, path)
         if resolved is None:
             if path in made or path not in state.outside_before:
