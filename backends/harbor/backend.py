@@ -103,6 +103,11 @@ class HarborBackend:
     go to ``artifacts``, an fsspec URL (default: the rollouts directory, beside
     trajectory.json), under ``<rollout id>/artifacts/``.
 
+    Verification: before the task's tests run, every process the agent left in the sandbox
+    is killed (``end_agent_processes``), so a daemon it started cannot rewrite the reward the
+    tests write or the tests themselves. Set it to False for tasks whose tests check a
+    service the agent was asked to leave running.
+
     Raises ``ValueError`` at construction for anything that cannot work: an unknown agent, a
     ``tasks_dir`` of the wrong shape for the mode, a template with neither tests nor grader,
     an unknown environment.
@@ -130,6 +135,7 @@ class HarborBackend:
         max_queue_depth: int | None = None,
         artifacts: str | Path | None = None,
         infra_attempts: int = 3,
+        end_agent_processes: bool = True,
     ) -> None:
         if task_mode not in ("template", "dataset"):
             raise ValueError(f"task_mode must be 'template' or 'dataset', not {task_mode!r}")
@@ -184,6 +190,7 @@ class HarborBackend:
                 max_failed_mb=keep_failed_trials_mb,
             ),
             local_sandbox=_is_local_sandbox(self.environment),
+            end_agent_processes=end_agent_processes,
         )
         self.tasks_dir = tasks
         self.task_mode = task_mode
