@@ -95,8 +95,12 @@ TRANSFER_TIMEOUT_SEC = 1800  # a download the sandbox stalls must not hold a tri
 class LocalSandbox(BaseEnvironment):
     """A Harbor environment run as a local bubblewrap sandbox.
 
-    Isolation: a user namespace mapping sandbox root to host uid 100000 (host secrets stay
-    unreadable), pid/ipc/uts/mount namespaces, its own network namespace (only loopback, or
+    Isolation: a user namespace mapping sandbox root to a host uid range of its own (65,536
+    ids leased per running sandbox from `BACKENDS_SANDBOX_UID_BASE`, default 1,000,000, so
+    per-uid kernel limits are not shared; host secrets stay unreadable), a session of its
+    own for every command (no controlling terminal), a fresh session keyring, a seccomp
+    filter in the spirit of Docker's default (`backends.sandbox.seccomp`), pid/ipc/uts/mount
+    namespaces, its own network namespace (only loopback, or
     with `network_mode = "public"` a NAT'd uplink through slirp4netns that cannot reach the
     host's loopback), a copy-on-write overlay over the image's layers, and limits from
     task.toml (`cpus`, `memory_mb` by cgroups, `storage_mb` by a disk image) plus a pids
@@ -116,8 +120,8 @@ class LocalSandbox(BaseEnvironment):
     - `relay_socket`: host path of a Unix socket (the policy relay). It is bound at
       `/run/backends/relay.sock` and a `socat` forwarder inside listens on
       `127.0.0.1:<relay_port>` (default 18080) and connects to it, so a sandbox without
-      network reaches exactly that one endpoint. The socket must accept connections from host
-      uid 100000 (for example mode 0666; its directory may stay private).
+      network reaches exactly that one endpoint. The socket must accept connections from any
+      sandbox's host uid (for example mode 0666; its directory may stay private).
     - `relay_port`: the in-sandbox TCP port of that forwarder.
     - `host_python`: True binds this host interpreter's installation (`sys.base_prefix`)
       read-only at its original path (its RUNPATH needs that path); a string binds that
