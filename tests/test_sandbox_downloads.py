@@ -121,3 +121,78 @@ async def test_exclusions_and_filters_choose_the_files(
         await env.download_dir_filtered(
             source_dir="/logs/missing", target_dir=tmp_path / "none", include=["*"]
         )
+
+
+async def test_a_link_named_like_a_parsed_file_is_held_to_its_limit(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    res = await env.exec("mkdir -p /out && cd /out && truncate -s 2M big && ln -s big reward.txt")
+    assert res.return_code == 0, res.stderr
+    with pytest.raises(DownloadTooLargeError, match=r"reward\.txt"):
+        await env.download_dir("/out", tmp_path / "one")
+    assert not (tmp_path / "one" / "reward.txt").exists()
+    # Across two downloads: the link first leads to a small file, then the file grows.
+    res = await env.exec(
+        "mkdir -p /a /b && echo 1 > /a/f && ln -s f /a/reward.txt && truncate -s 2M /b/f"
+    )
+    assert res.return_code == 0, res.stderr
+    await env.download_dir("/a", tmp_path / "two")
+    with pytest.raises(DownloadTooLargeError, match=r"reward\.txt"):
+        await env.download_dir("/b", tmp_path / "two")
+    assert not (tmp_path / "two" / "reward.txt").is_symlink()
+
+
+async def test_two_downloads_into_one_directory_cannot_combine_into_a_link_out(
+    env: BaseEnvironment, tmp_path: Path, host_dir: Path
+) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    names = [f"x{i}" for i in range(len(dest.resolve().parts) - 1)]  # enough to climb to /
+    link = "/".join(names) + "/.." * len(names) + f"{host_dir}/victim"
+    res = await env.exec(
+        f"mkdir -p /one /two && ln -s '{link}' /one/secret.txt && "
+        + " && ".join(f"ln -s . /two/{n}" for n in names)
+    )
+    assert res.return_code == 0, res.stderr
+    await env.download_dir("/one", dest)
+    await env.download_dir("/two", dest)
+    assert not (dest / "secret.txt").exists()
+    assert not (dest / "secret.txt").is_symlink()
+
+
+DEEP_ARCHIVE = r"""
+import io, tarfile
+with tarfile.open("/deep.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+    info = tarfile.TarInfo("d/" * 1100 + "f")
+    info.size = 1
+    tar.addfile(info, io.BytesIO(b"x"))
+"""
+
+
+async def test_a_tree_deeper_than_the_limit_is_refused_by_name(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    await run_python(env, tmp_path, DEEP_ARCHIVE)
+    await fake_tar(env, "#!/bin/sh\nexec cat /deep.tar\n")
+    out = tmp_path / "out"
+    with pytest.raises(SandboxPathError, match="1101 directories deep; at most 256"):
+        await env.download_dir("/logs/verifier", out)
+    assert os.listdir(out) == []
+
+
+async def test_a_file_changing_while_read_does_not_fail_the_download(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    # What GNU tar does when a daemon appends to a log it is reading: a whole archive, exit 1.
+    await fake_tar(
+        env,
+        '#!/bin/sh\n/usr/bin/tar "$@" || exit\n'
+        "echo 'tar: ./log: file changed as we read it' >&2\nexit 1\n",
+    )
+    res = await env.exec("echo 0 > /logs/verifier/reward.txt && echo x > /logs/verifier/log")
+    assert res.return_code == 0, res.stderr
+    await env.download_dir("/logs/verifier", tmp_path / "verifier")
+    assert (tmp_path / "verifier" / "reward.txt").read_text() == "0\n"
+    # A real failure still fails.
+    with pytest.raises(FileNotFoundError):
+        await env.download_dir("/logs/missing", tmp_path / "missing")

@@ -391,6 +391,32 @@ except OSError as e:
     assert res.stdout.split("\n")[1:4] == ["65534", "NoNewPrivs:\t0", "0"], res.stdout
 
 
+# Calls the i386 entry point (int 0x80) from a 64-bit process: syscall number, then args.
+I386_UMOUNT = r"""
+import ctypes, errno, mmap
+code = bytes.fromhex("53" "89f8" "89f3" "4989cb" "89d1" "4489da" "4489c6" "4489cf" "cd80" "5b" "c3")
+buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+buf.write(code)
+i386 = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_uint] * 6)(
+    ctypes.addressof(ctypes.c_char.from_buffer(buf))
+)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+low = libc.mmap(None, 4096, 3, 0x22 | 0x40, -1, 0)  # MAP_32BIT: an address i386 args can hold
+(ctypes.c_char * 16).from_address(low).value = b"/dev/shm"
+ret = i386(22, low, 0, 0, 0, 0)  # umount("/dev/shm")
+print(errno.errorcode.get(-ret, ret) if ret < 0 else "unmounted")
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 entry point is x86's")
+async def test_the_i386_umount_is_filtered(env: BaseEnvironment, tmp_path: Path) -> None:
+    out = await run_python(env, tmp_path, I386_UMOUNT)
+    assert out.strip() == "EPERM", out
+
+
 # -- the sandbox ends with its owner ---------------------------------------------------------
 
 # As root inside: seize pid 1, make it clear its own parent-death signal, then exec

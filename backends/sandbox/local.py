@@ -478,7 +478,11 @@ class LocalSandbox(BaseEnvironment):
                 raise unpack.DownloadTooLargeError(
                     f"cannot download {what}: larger than {limit} bytes (max_download_bytes)"
                 )
-            if res.return_code != 0:
+            if res.return_code == 1:
+                # GNU tar's "some files differ": a file changed while it was read (a daemon
+                # still appending to a log). The archive is whole; the unpacker checks it.
+                log.warning("download of %s: %s", what, res.stderr.decode().strip()[-2000:])
+            elif res.return_code != 0:
                 raise FileNotFoundError(f"cannot download {what}: {res.stderr.decode().strip()}")
             await anyio.to_thread.run_sync(extract, archive)
 
@@ -575,7 +579,8 @@ class LocalSandbox(BaseEnvironment):
             )
         paths = [os.fsdecode(n).removeprefix("./") for n in listing.stdout.split(b"\0") if n]
         selected = filter_paths_by_patterns(paths, include=include, exclude=exclude)
-        selected += [p for p in paths if p in set(protect or ()) - set(selected)]
+        protected = set(protect or ()) - set(selected)
+        selected += [p for p in paths if p in protected]
         if not selected:
             log.warning("no files in %s matched include=%s exclude=%s", source, include, exclude)
             return
