@@ -172,7 +172,8 @@ async def _install_in_sandbox(
             )
             result = await sandbox.exec(script, user="root", timeout_sec=INSTALL_TIMEOUT_SEC)
         finally:
-            await sandbox.stop(delete=True)
+            with anyio.CancelScope(shield=True):  # a cancelled install still stops its sandbox
+                await sandbox.stop(delete=True)
     if result.return_code != 0:
         raise BundleError(
             f"installing bundle {bundle.key} offline in the sandbox failed (exit "
