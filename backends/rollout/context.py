@@ -112,6 +112,10 @@ class RolloutContext:
         """Await ``closer`` when the rollout's workflow ends (an integration's HTTP client, say)."""
         self._closers.append(closer)
 
+    @property
+    def has_closers(self) -> bool:
+        return bool(self._closers)
+
     async def aclose(self) -> None:
         """Run the closers, last registered first; a failing one is logged, not raised."""
         while self._closers:

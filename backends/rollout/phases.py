@@ -188,6 +188,8 @@ async def _grade(
 
 
 async def _finalize(phases: RolloutPhases) -> None:
+    if type(phases).finalize is RolloutPhases.finalize:
+        return  # nothing to release: skip the shielded scope (LocalBackend's hot path)
     with anyio.CancelScope(shield=True):
         try:
             await phases.finalize()

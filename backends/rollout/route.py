@@ -39,7 +39,8 @@ class PolicyRoute(BaseModel):
     @classmethod
     def direct(cls, request: RolloutRequest) -> PolicyRoute:
         """The request's own endpoint, for a backend running without a relay."""
-        return cls(
+        # The request validated these already; built once per rollout, so skip validating again.
+        return cls.model_construct(
             rollout_id=request.rollout_id,
             base_url=request.chat_completions_url,
             api_key=request.api_key,

@@ -48,8 +48,9 @@ async def run_workflow(
             return await sample_from_output(output, context)
         finally:
             # A cancelled rollout still closes its clients, but a hung close cannot hold it.
-            with anyio.move_on_after(CLOSE_TIMEOUT_SEC, shield=True):
-                await context.aclose()
+            if context.has_closers:
+                with anyio.move_on_after(CLOSE_TIMEOUT_SEC, shield=True):
+                    await context.aclose()
 
 
 async def grade_sample(
