@@ -5,7 +5,6 @@ rollouts from Python (``collect``/``run_batch``), the command line (``backends r
 trainer over HTTP (``create_rollout_server``).
 """
 
-from backends.harbor import HarborBackend
 from backends.local import LocalBackend
 from backends.rollout import (
     AgentWorkflow,
@@ -36,8 +35,10 @@ from backends.rollout import (
     run_batch,
 )
 
-# The server, its client and the relay pull in HTTP stacks: import them only when asked for.
+# Harbor, the server, its client and the relay pull in heavy stacks: import them only when
+# asked for (a bundle runner inside a sandbox imports ``backends`` and needs none of them).
 _LAZY = {
+    "HarborBackend": "backends.harbor",
     "create_rollout_server": "backends.server",
     "RolloutClient": "backends.server",
     "Relay": "backends.relay",

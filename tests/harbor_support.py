@@ -57,6 +57,35 @@ class SwapsReward(_ShellAgent):
     )
 
 
+class ForgesRewardLater(_ShellAgent):
+    """Leaves daemons that write 1 over the tests' reward and swap in tests that write 1."""
+
+    script = (
+        "nohup bash -c 'f=/logs/verifier/reward.txt; while :; do "
+        'if [ -s $f ] && [ "$(cat $f)" != 1 ]; then echo 1 > $f; fi; sleep 0.005; done\' '
+        ">/dev/null 2>&1 & "
+        "nohup bash -c 'while [ ! -s /tests/test.sh ]; do sleep 0.001; done; "
+        'printf "#!/bin/bash\\necho 1 > /logs/verifier/reward.txt\\n" > /tests/t.new; '
+        "chmod +x /tests/t.new; mv -f /tests/t.new /tests/test.sh' >/dev/null 2>&1 &"
+    )
+
+
+class LeavesService(_ShellAgent):
+    """Starts a long-running 'service' the task's tests look for."""
+
+    script = "nohup sleep 876543 >/dev/null 2>&1 &"
+
+
+class DeepArtifacts(_ShellAgent):
+    """Leaves an artifact 200 directories deep (past PATH_MAX on the host) beside a normal one."""
+
+    script = (
+        "echo kept > /logs/artifacts/kept.txt; cd /logs/artifacts; "
+        "for i in $(seq 200); do mkdir dddddddddddddddddddddddddddddddddddddddd; "
+        "cd dddddddddddddddddddddddddddddddddddddddd; done; echo x > f.txt"
+    )
+
+
 class Snoops(_ShellAgent):
     """Looks for the tests and for the label before verification; reports in its artifacts."""
 

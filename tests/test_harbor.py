@@ -14,6 +14,9 @@ from harbor.models.trial.config import AgentConfig, EnvironmentConfig, TaskConfi
 from harbor.trial.trial import Trial
 from harbor_support import (
     CountingSandbox,
+    DeepArtifacts,
+    ForgesRewardLater,
+    LeavesService,
     PlantsReward,
     Sleeps,
     Snoops,
@@ -204,7 +207,7 @@ async def test_infra_failure_retries_with_a_fresh_sandbox_and_is_never_reward_0(
     assert result.extra_fields["harbor"]["attempt"] == 3
     assert result.extra_fields["infra_retries"]["count"] == 2
     trials = sorted(p.name for p in (tmp_path / "trials").iterdir())
-    assert trials == ["sick", "sick.attempt-2", "sick.attempt-3"]
+    assert trials == ["sick", "sick~attempt-2", "sick~attempt-3"]
 
 
 async def test_failed_trials_are_pruned_past_the_bound(tmp_path: Path) -> None:
@@ -247,7 +250,8 @@ def test_agents_by_name_import_path_or_refused(tmp_path: Path) -> None:
         async def run(self, ctx):
             return None
 
-    with pytest.raises(ValueError, match=r"AgentWorkflow.*rollout bundle"):
+    # A workflow ships as a rollout bundle: its file needs a pyproject.toml beside it.
+    with pytest.raises(ValueError, match=r"Workflow lives in .*no pyproject\.toml"):
         backend(tmp_path, Workflow)
     with pytest.raises(ValueError, match="not a Harbor BaseAgent"):
         backend(tmp_path, "json:dumps")
@@ -347,7 +351,10 @@ async def test_a_planted_symlink_never_makes_the_host_read_its_target(tmp_path: 
         tmp_path / "tasks", "swap", test="echo 0 > /logs/verifier/reward.txt; sleep 1"
     )
     (task / "instruction.md").write_text(str(secret))  # the agent links reward.txt to it
-    b = backend(tmp_path, agent=SwapsReward, tasks_dir=tmp_path / "tasks")
+    # The daemon is kept alive into verification, as if it had survived the kill.
+    b = backend(
+        tmp_path, agent=SwapsReward, tasks_dir=tmp_path / "tasks", end_agent_processes=False
+    )
     [result] = await collect(b, [request("swap", "swap")])
     assert result.reward != 0.75
     assert result.failure is not None and result.failure.category == "verifier_error", result
@@ -369,3 +376,84 @@ def test_an_environment_config_without_a_type_keeps_the_chosen_environment() -> 
     assert build_environment_config("docker", None).type == "docker"
     explicit = EnvironmentConfig(type="modal")
     assert build_environment_config("local", explicit).type == "modal"
+
+
+async def test_aclose_stops_every_trial_before_returning(tmp_path: Path) -> None:
+    b = backend(tmp_path, Sleeps, max_concurrent=2)
+    before = leftovers()
+    results: list = []
+
+    async def run() -> None:
+        results.extend(await collect(b, [request("a", "workdir-copy"), request("b", "artifacts")]))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        with anyio.fail_after(60):
+            while len(sandbox_processes(Sleeps.marker)) < 6:
+                await anyio.sleep(0.05)
+        await b.aclose()
+        # Returned only once both sandboxes were gone.
+        assert sandbox_processes(Sleeps.marker) == []
+        after = leftovers()
+        assert not set(after["cgroups"]) - set(before["cgroups"]), after
+    assert sorted(r.status for r in results) == [RolloutStatus.CANCELLED] * 2
+
+
+async def test_timeouts_follow_harbors_semantics(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    write_task(tasks, "slow-tests", test="sleep 30; echo 1 > /logs/verifier/reward.txt")
+    b = backend(tmp_path, tasks_dir=tasks)
+    [slow] = await collect(b, [request("slow", "slow-tests", grader_timeout_sec=1)])
+    assert slow.failure is not None
+    assert (slow.failure.category, slow.failure.phase) == ("timeout", "grading"), slow.failure
+    assert slow.reward is None
+    # An agent out of time is still graded, as in Harbor: its reward is a valid measurement.
+    b = backend(tmp_path, Sleeps)
+    [late] = await collect(b, [request("late", "workdir-copy", agent_timeout_sec=1)])
+    assert late.status is RolloutStatus.SUCCESS, late.failure
+    assert late.reward == 0.0
+    assert late.extra_fields["harbor"]["exception_type"] == "AgentTimeoutError"
+
+
+async def test_daemons_left_by_the_agent_cannot_forge_the_reward(tmp_path: Path) -> None:
+    """The agent's daemons rewrite the tests' 0 as 1 and swap the tests; both are dead first."""
+    write_task(tmp_path / "tasks", "forge", test="echo 0 > /logs/verifier/reward.txt; sleep 0.5")
+    b = backend(tmp_path, agent=ForgesRewardLater, tasks_dir=tmp_path / "tasks")
+    results = await collect(b, [request(f"forge-{i}", "forge") for i in range(2)])
+    assert [r.reward for r in results] == [0.0, 0.0], results
+
+
+async def test_a_service_the_agent_leaves_is_kept_only_when_asked(tmp_path: Path) -> None:
+    test = "if pgrep -f 'sleep 876543' >/dev/null; then echo 1; else echo 0; fi > /logs/verifier/reward.txt"
+    write_task(tmp_path / "tasks", "service", test=test)
+    rewards = []
+    for keep in (False, True):
+        b = backend(
+            tmp_path,
+            agent=LeavesService,
+            tasks_dir=tmp_path / "tasks",
+            end_agent_processes=not keep,
+        )
+        [result] = await collect(b, [request(f"service-{keep}", "service")])
+        rewards.append(result.reward)
+    assert rewards == [0.0, 1.0]
+
+
+def test_rollout_ids_never_share_a_trial_directory() -> None:
+    from backends.harbor.phases import _trial_name
+
+    ids = ["x:1", "x_1", "r", "r~attempt-2", "r.attempt-2", "a" * 200 + "1", "a" * 200 + "2", ".."]
+    names = [_trial_name(rid, 1) for rid in ids] + [_trial_name("r", 2), _trial_name("x:1", 2)]
+    assert len(set(names)) == len(names), names
+    assert _trial_name("row-1", 1) == "row-1"  # safe ids keep their own name
+    assert all("/" not in n and n not in (".", "..") and len(n) < 255 for n in names)
+
+
+async def test_artifacts_nested_past_path_max_are_dropped_not_fatal(tmp_path: Path) -> None:
+    """Too deep a tree used to abort the file work silently: no artifacts, trial dir left."""
+    write_task(tmp_path / "tasks", "deep", test="echo 1 > /logs/verifier/reward.txt")
+    b = backend(tmp_path, agent=DeepArtifacts, tasks_dir=tmp_path / "tasks")
+    [result] = await collect(b, [request("deep", "deep")])
+    assert result.reward == 1.0
+    assert "logs/artifacts/kept.txt" in result.extra_fields["harbor"]["artifacts"]
+    assert list((tmp_path / "trials").iterdir()) == []  # the successful trial is removed

@@ -389,3 +389,288 @@ except OSError as e:
     )
     assert res.return_code == 0, res.stderr
     assert res.stdout.split("\n")[1:4] == ["65534", "NoNewPrivs:\t0", "0"], res.stdout
+
+
+# Calls the i386 entry point (int 0x80) from a 64-bit process: syscall number, then args.
+I386_UMOUNT = r"""
+import ctypes, errno, mmap
+code = bytes.fromhex("53" "89f8" "89f3" "4989cb" "89d1" "4489da" "4489c6" "4489cf" "cd80" "5b" "c3")
+buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+buf.write(code)
+i386 = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_uint] * 6)(
+    ctypes.addressof(ctypes.c_char.from_buffer(buf))
+)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+low = libc.mmap(None, 4096, 3, 0x22 | 0x40, -1, 0)  # MAP_32BIT: an address i386 args can hold
+(ctypes.c_char * 16).from_address(low).value = b"/dev/shm"
+ret = i386(22, low, 0, 0, 0, 0)  # umount("/dev/shm")
+print(errno.errorcode.get(-ret, ret) if ret < 0 else "unmounted")
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 entry point is x86's")
+async def test_the_i386_umount_is_filtered(env: BaseEnvironment, tmp_path: Path) -> None:
+    out = await run_python(env, tmp_path, I386_UMOUNT)
+    assert out.strip() == "EPERM", out
+
+
+# -- the sandbox ends with its owner ---------------------------------------------------------
+
+# As root inside: seize pid 1, make it clear its own parent-death signal, then exec
+# `sleep` (so the owner's closing of its stdin no longer ends it either). x86_64 registers.
+PID1_HIJACK = r"""
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+NAMES = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
+         " rsp ss fs_base gs_base ds es fs gs").split()
+class Regs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in NAMES]
+SEIZE, INTERRUPT, GETREGS, SETREGS, POKEDATA, SINGLESTEP, DETACH = (
+    0x4206, 0x4207, 12, 13, 5, 9, 17)
+def ptrace(req, addr=None, data=None):
+    if libc.ptrace(req, 1, addr, data) != 0 and req not in (POKEDATA,):
+        raise OSError(ctypes.get_errno(), f"ptrace {req}")
+ptrace(SEIZE)
+ptrace(INTERRUPT)
+os.waitpid(1, os.WUNTRACED | 0x40000000)  # __WALL
+saved = Regs()
+ptrace(GETREGS, None, ctypes.byref(saved))
+def syscall(nr, *args):
+    regs = Regs.from_buffer_copy(saved)
+    regs.rip, regs.rax, regs.orig_rax = saved.rip - 2, nr, 2**64 - 1  # at pid 1's `syscall`
+    for name, value in zip(("rdi", "rsi", "rdx"), args):
+        setattr(regs, name, value)
+    ptrace(SETREGS, None, ctypes.byref(regs))
+syscall(157, 1, 0)  # prctl(PR_SET_PDEATHSIG, 0)
+ptrace(SINGLESTEP)
+os.waitpid(1, 0x40000000)
+after = Regs()
+ptrace(GETREGS, None, ctypes.byref(after))
+assert after.rax == 0, after.rax
+# execve("/bin/sleep", ["sleep", "4242"], NULL), its strings written over pid 1's stack.
+base = saved.rsp & ~7
+blob = b"/bin/sleep".ljust(16, b"\0") + b"sleep".ljust(8, b"\0") + b"4242".ljust(8, b"\0")
+path, arg0, arg1 = base, base + 16, base + 24
+blob += struct.pack("<QQQ", arg0, arg1, 0)
+for i in range(0, len(blob), 8):
+    word = int.from_bytes(blob[i:i + 8].ljust(8, b"\0"), "little")
+    libc.ptrace(POKEDATA, 1, ctypes.c_void_p(base + i), ctypes.c_void_p(word))
+syscall(59, path, base + 32, 0)
+ptrace(DETACH)
+print("hijacked")
+"""
+
+OWNER = r"""
+import anyio, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from backends.sandbox.contract import PROVIDERS
+async def main():
+    tmp = Path(sys.argv[2])
+    env = PROVIDERS[0].make(tmp)
+    await env.start(force_build=False)
+    await env.upload_file(tmp / "hijack.py", "/hijack.py")
+    res = await env.exec("python3 /hijack.py; (setsid nohup sleep 4343 >/dev/null 2>&1 &);"
+                         " sleep 0.5; cat /proc/1/cmdline | tr '\\0' ' '; head -3 /proc/1/status")
+    print(env._box._booted.init_pid, res.stdout.strip().replace("\n", " "), res.stderr.strip().replace("\n", " "), flush=True)
+    await anyio.sleep(1000)
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe injects x86_64 syscalls")
+def test_the_sandbox_ends_with_its_owner_whatever_root_does_to_pid_1(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "hijack.py").write_text(PID1_HIJACK)
+    repo = str(Path(__file__).resolve().parents[1])
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    line = owner.stdout.readline().split()
+    assert line[1:4] == ["hijacked", "sleep", "4242"], line  # pid 1 is the attacker's now
+    init_pid = int(line[0])
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while _alive(init_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = _alive(init_pid)
+    if survived:  # do not leave it to the other tests
+        os.kill(init_pid, signal.SIGKILL)
+    assert not survived, "the sandbox outlived its owner"
+    assert not _cmdline_running("sleep 4343"), "a daemon outlived its owner"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _cmdline_running(text: str) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().replace(b"\0", b" ").strip() == text.encode():
+                        return True
+            except OSError:
+                pass
+    return False
+
+
+# -- per-sandbox host uids -------------------------------------------------------------------
+
+INOTIFY_HOG = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if os.fork():
+    os._exit(0)
+os.setsid()
+held = []
+while len(held) < 100_000:
+    fd = libc.inotify_init()
+    if fd < 0:
+        break
+    held.append(fd)
+open("/hog.log", "w").write(f"{len(held)} {ctypes.get_errno()}")
+os.close(1)
+os.close(2)
+import time
+time.sleep(1000)
+"""
+
+INOTIFY_ONCE = "import ctypes; print(ctypes.CDLL(None, use_errno=True).inotify_init() >= 0)"
+
+
+def _host_uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+
+
+async def test_each_sandbox_has_its_own_host_uids(tmp_path: Path) -> None:
+    import ctypes
+
+    from backends.sandbox.settings import UID_BASE
+
+    one, two = LOCAL.make(tmp_path), LOCAL.make(tmp_path)
+    await one.start(force_build=False)
+    await two.start(force_build=False)
+    try:
+        uids = [_host_uid(env._box._booted.init_pid) for env in (one, two)]  # type: ignore[attr-defined]
+        assert uids[0] != uids[1] and abs(uids[0] - uids[1]) % 65536 == 0, uids
+        # One sandbox takes every inotify instance its uid may have...
+        (tmp_path / "hog.py").write_text(INOTIFY_HOG)
+        await one.upload_file(tmp_path / "hog.py", "/hog.py")
+        await one.exec("python3 /hog.py")
+        res = await one.exec(
+            "for i in $(seq 100); do test -e /hog.log && break; sleep 0.1; done; cat /hog.log"
+        )
+        held, err = res.stdout.split()
+        assert err == "24" and int(held) >= 100, res.stdout  # EMFILE: it hit its limit
+        # ... and the other sandbox and host root still get theirs.
+        res = await two.exec(f"python3 -c '{INOTIFY_ONCE}'")
+        assert res.stdout == "True\n", res
+        fd = ctypes.CDLL(None, use_errno=True).inotify_init()
+        assert fd >= 0, os.strerror(ctypes.get_errno())
+        os.close(fd)
+        # The layers are shared, seen through each sandbox's range: root owns /bin there, and
+        # what a sandbox writes lands on disk in the layers' own range.
+        assert (await two.exec("stat -c %u /usr/bin/bash; touch /mine")).stdout == "0\n"
+        box = two._box  # type: ignore[attr-defined]
+        assert (box.upper / "mine").stat().st_uid == UID_BASE
+    finally:
+        await one.stop(delete=True)
+        await two.stop(delete=True)
+
+
+def test_uid_ranges_are_leased_once_across_processes() -> None:
+    import subprocess
+    import sys
+
+    from backends.sandbox import uids
+
+    mine = uids.lease()
+    try:
+        code = "from backends.sandbox import uids; print(uids.lease().base)"
+        others = {
+            int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)
+            for _ in range(3)
+        }  # fmt: skip
+        assert mine.base not in others
+    finally:
+        mine.release()
+
+
+# -- a second round, against the fixes themselves ----------------------------------------------
+
+CRAFTED_MEMBERS = r"""
+import io, sys, tarfile
+kind = sys.argv[1]
+with tarfile.open("/crafted.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+    def add(name, type_, linkname="", data=None):
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname, info.mode = type_, linkname, 0o644
+        if data is not None:
+            info.size = len(data)
+        tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    if kind == "header-bomb":  # a 9 MiB long name: tarfile would hold it in memory
+        add("n" * (9 * 1024 * 1024), tarfile.REGTYPE, data=b"x")
+    elif kind == "relink":  # a file, replaced by a symlink, then hard-linked: a link to a
+        add("a", tarfile.REGTYPE, data=b"x")  # link could be aimed anywhere once in place
+        add("a", tarfile.SYMTYPE, "c")
+        add("b", tarfile.LNKTYPE, "a")
+    elif kind == "through-host-link":  # a relative link into the host's own link out
+        add("mine", tarfile.SYMTYPE, "outside-link/victim")
+"""
+
+
+async def _crafted_download(env: BaseEnvironment, tmp_path: Path, kind: str, out: Path) -> None:
+    await env.exec("rm -f /usr/local/sbin/tar")
+    await run_python(env, tmp_path, CRAFTED_MEMBERS, kind)
+    await fake_tar(env, "#!/bin/sh\nexec cat /crafted.tar\n")
+    await env.download_dir("/logs/verifier", out)
+
+
+async def test_crafted_headers_links_and_relinks_are_refused(
+    env: BaseEnvironment, tmp_path: Path, host_dir: Path
+) -> None:
+    with pytest.raises(SandboxPathError, match="not a file of this download"):
+        await _crafted_download(env, tmp_path, "relink", tmp_path / "relink")
+    assert os.listdir(tmp_path / "relink") == []  # what it had made is gone again
+    out = tmp_path / "trial"
+    out.mkdir()
+    (out / "outside-link").symlink_to(host_dir)
+    await _crafted_download(env, tmp_path, "through-host-link", out)
+    assert not (out / "mine").is_symlink()  # would have led to the host's file
+    assert (out / "outside-link").is_symlink()  # the host's own link stays
+
+
+async def test_a_header_bomb_is_refused(tmp_path: Path) -> None:
+    env = LOCAL.make(tmp_path, kwargs={"max_download_bytes": 64 * MiB})
+    await env.start(force_build=False)
+    try:
+        with pytest.raises(SandboxPathError, match="header larger than 8 MiB"):
+            await _crafted_download(env, tmp_path, "header-bomb", tmp_path / "bomb")
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_no_machinery_fd_reaches_pid_1_or_commands(env: BaseEnvironment) -> None:
+    # The spawner holds uid-range leases, idmap namespaces and pidfds: none may leak in.
+    res = await env.exec("ls /proc/1/fd; echo -; ls /proc/self/fd")
+    pid1, own = res.stdout.split("-\n")
+    assert pid1.split() == ["0", "1", "2"], res.stdout
+    assert own.split() == ["0", "1", "2", "3"], res.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from backends.bundle.cli import bundle_app
 from backends.cli.run import run_command
 from backends.relay.cli import relay_command, scripted_policy_command
 from backends.server.cli import serve_command
@@ -26,6 +27,7 @@ app.command("run")(run_command)
 app.command("serve")(serve_command)
 app.command("relay")(relay_command)
 app.command("scripted-policy")(scripted_policy_command)
+app.add_typer(bundle_app, name="bundle")
 
 
 def main() -> None:

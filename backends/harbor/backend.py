@@ -27,6 +27,7 @@ import tenacity
 from harbor.models.environment_type import EnvironmentType
 from harbor.models.trial.config import EnvironmentConfig
 
+from backends.bundle.agent import BUNDLE_AGENT, WorkflowPlan
 from backends.harbor.agents import AgentSpec, resolve_agent
 from backends.harbor.files import ArtifactSink, Retention
 from backends.harbor.phases import TrialPhases, TrialSettings
@@ -103,6 +104,11 @@ class HarborBackend:
     go to ``artifacts``, an fsspec URL (default: the rollouts directory, beside
     trajectory.json), under ``<rollout id>/artifacts/``.
 
+    Verification: before the task's tests run, every process the agent left in the sandbox
+    is killed (``end_agent_processes``), so a daemon it started cannot rewrite the reward the
+    tests write or the tests themselves. Set it to False for tasks whose tests check a
+    service the agent was asked to leave running.
+
     Raises ``ValueError`` at construction for anything that cannot work: an unknown agent, a
     ``tasks_dir`` of the wrong shape for the mode, a template with neither tests nor grader,
     an unknown environment.
@@ -130,6 +136,7 @@ class HarborBackend:
         max_queue_depth: int | None = None,
         artifacts: str | Path | None = None,
         infra_attempts: int = 3,
+        end_agent_processes: bool = True,
     ) -> None:
         if task_mode not in ("template", "dataset"):
             raise ValueError(f"task_mode must be 'template' or 'dataset', not {task_mode!r}")
@@ -150,10 +157,14 @@ class HarborBackend:
             )
         elif grader_cls is not None:
             raise ValueError("dataset mode grades with each task's own tests: drop grader=")
-        if workflow_config is not None:
+        # agent=<AgentWorkflow>: it runs inside the sandbox from a rollout bundle.
+        workflow = WorkflowPlan.of(agent, workflow_config=workflow_config)
+        if workflow is not None and task_mode != "template":
+            raise ValueError("an AgentWorkflow runs in template mode (one image for its bundle)")
+        if workflow_config is not None and workflow is None:
             raise ValueError(
-                "workflow_config configures an AgentWorkflow, which HarborBackend cannot run "
-                "until rollout bundles exist; pass native_agent_kwargs for a Harbor agent"
+                "workflow_config configures an AgentWorkflow; pass native_agent_kwargs for a "
+                "Harbor agent"
             )
         for name, value, low in (
             ("max_concurrent", max_concurrent, 1),
@@ -162,7 +173,9 @@ class HarborBackend:
         ):
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, not {value}")
-        self.agent: AgentSpec = resolve_agent(agent)
+        self.agent: AgentSpec = (
+            AgentSpec(import_path=BUNDLE_AGENT) if workflow else resolve_agent(agent)
+        )
         self.environment = build_environment_config(environment, environment_config)
         self.settings = TrialSettings(
             tasks_dir=tasks,
@@ -184,6 +197,8 @@ class HarborBackend:
                 max_failed_mb=keep_failed_trials_mb,
             ),
             local_sandbox=_is_local_sandbox(self.environment),
+            workflow=workflow,
+            end_agent_processes=end_agent_processes,
         )
         self.tasks_dir = tasks
         self.task_mode = task_mode
@@ -221,6 +236,8 @@ class HarborBackend:
             from backends.sandbox.runtime import reap_orphans
 
             await anyio.to_thread.run_sync(reap_orphans)
+        if self.settings.workflow is not None:  # the bundle, built and installed once
+            await self.settings.workflow.prepare(self.tasks_dir)
 
     # -- the backend contract -------------------------------------------------------------
 

@@ -23,6 +23,30 @@ _SCAN_LIMIT = (
 )  # files larger than this are removed, not scanned, if they may hold a secret
 
 
+# Paths the host can still open by name (the kernel's PATH_MAX is 4096) and a depth os.walk and
+# os.fwalk can recurse to; a sandbox may leave deeper trees than either.
+PATH_LIMIT = 4000
+DEPTH_LIMIT = 256
+
+
+def drop_unreachable(root: Path) -> int:
+    """Remove what lies too deep under ``root`` to be handled by name; return subtrees removed.
+
+    Directories are opened relative to their parent's fd, so nothing here needs a long path.
+    """
+    removed = 0
+    base_depth = str(root).count("/")
+    for folder, dirs, _files, folder_fd in os.fwalk(root, follow_symlinks=False):
+        too_deep = folder.count("/") - base_depth >= DEPTH_LIMIT
+        for name in list(dirs):
+            if too_deep or len(os.fsencode(folder)) + len(os.fsencode(name)) + 1 > PATH_LIMIT:
+                log.warning("%s: removing %s/%s, nested too deep to keep", root, folder, name)
+                shutil.rmtree(name, dir_fd=folder_fd)
+                dirs.remove(name)
+                removed += 1
+    return removed
+
+
 def regular_files(root: Path) -> Iterable[Path]:
     """Regular files under ``root``; symlinks (which the sandbox may have planted) are skipped."""
     for folder, dirs, files in os.walk(root, followlinks=False):

@@ -15,6 +15,8 @@ the agent phase, so ``complete`` restores the phase the trial itself recorded.
 from __future__ import annotations
 
 import copy
+import hashlib
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ import anyio
 from harbor.agents.base import BaseAgent
 from harbor.agents.factory import AgentFactory
 from harbor.agents.installed.base import BaseInstalledAgent
+from harbor.models.task.verifier_mode import VerifierEnvironmentMode, resolve_task_verifier_mode
 from harbor.models.trial.config import (
     AgentConfig,
     EnvironmentConfig,
@@ -34,8 +37,9 @@ from harbor.models.trial.config import (
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
 
+from backends.bundle.agent import WorkflowPlan
 from backends.harbor.agents import AgentSpec
-from backends.harbor.files import ArtifactSink, Retention, scrub_secrets
+from backends.harbor.files import ArtifactSink, Retention, drop_unreachable, scrub_secrets
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
@@ -48,6 +52,8 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
+
+log = logging.getLogger(__name__)
 
 # The model a model-driven agent asks for when none is given: LiteLLM's OpenAI-compatible
 # provider, which sends it to the route's base URL as "policy".
@@ -82,6 +88,8 @@ class TrialSettings:
     sink: ArtifactSink
     retention: Retention
     local_sandbox: bool
+    workflow: WorkflowPlan | None = None  # agent=<AgentWorkflow>, run from its bundle
+    end_agent_processes: bool = True
     active_trials: set[str] = field(default_factory=set)
     _agent_class: type[BaseAgent] | None = None
 
@@ -103,9 +111,25 @@ class TrialFailed(RolloutError):
 
 
 def _trial_name(rollout_id: str, attempt: int) -> str:
-    # A directory name: rollout ids are safe already, but may be longer than a name can be.
+    """A directory name of its own for each (rollout id, attempt).
+
+    Ids that are not already a short, safe name are shortened and sanitized, then told apart
+    by a hash of the whole id; "~" never survives sanitizing, so no id's name can collide
+    with another's, or with a retry's.
+    """
     name = re.sub(r"[^A-Za-z0-9._-]", "_", rollout_id[:200])
-    return name if attempt == 1 else f"{name}.attempt-{attempt}"
+    if name != rollout_id or name in (".", ".."):
+        name = f"{name}~{hashlib.sha256(rollout_id.encode()).hexdigest()[:16]}"
+    return name if attempt == 1 else f"{name}~attempt-{attempt}"
+
+
+# Kills every process in the sandbox but pid 1 and itself, until none is left (a fork loop
+# can outrun one `kill -1`); exits 1 if some survive.
+_END_AGENT_PROCESSES = (
+    "for ((i = 0; i < 50; i++)); do kill -KILL -1 2>/dev/null; left=0; "
+    "for p in /proc/[0-9]*; do p=${p#/proc/}; [[ $p == 1 || $p == $$ ]] || ((left++)); done; "
+    "((left == 0)) && exit 0; sleep 0.02; done; exit 1"
+)
 
 
 class TrialPhases(RolloutPhases):
@@ -188,6 +212,23 @@ class TrialPhases(RolloutPhases):
 
     async def _grading(self, event: TrialHookEvent) -> None:
         self.tracked.status = RolloutStatus.GRADING
+        if (
+            self.settings.end_agent_processes
+            and self.trial is not None
+            # A separate verifier environment has no agent processes in it.
+            and resolve_task_verifier_mode(self.trial.task.config)
+            is not VerifierEnvironmentMode.SEPARATE
+        ):
+            # A daemon the agent left could rewrite the reward the tests write, or the tests.
+            result = await self.trial.agent_environment.exec(
+                _END_AGENT_PROCESSES, user="root", timeout_sec=30
+            )
+            if result.return_code != 0:
+                log.warning(
+                    "%s: agent processes survived the kill before verification (exit %s)",
+                    self.trial_name,
+                    result.return_code,
+                )
 
     async def run_agent(self) -> RolloutSample:
         assert self.trial is not None
@@ -200,6 +241,16 @@ class TrialPhases(RolloutPhases):
                 result, outcome, self.trial_dir, instruction=self.instruction, step_names=steps
             )
         )
+        if self.settings.workflow is not None and outcome.failure is None:
+            # The workflow's own sample (or its classified traceback), from the runner.
+            collected = await anyio.to_thread.run_sync(
+                self.settings.workflow.collect, self.trial_dir
+            )
+            if isinstance(collected, RolloutFailure):
+                self.outcome = TrialOutcome(failure=collected, stage="agent")
+                raise TrialFailed(collected)
+            collected.metrics = {**sample.metrics, **collected.metrics}
+            sample = collected
         sample.reward = None  # set in grade(), if grading was asked for
         self.extra_fields["harbor"] = {
             "trial_name": self.trial_name,
@@ -260,6 +311,16 @@ class TrialPhases(RolloutPhases):
     def _agent_config(self, environment: EnvironmentConfig) -> AgentConfig:
         """The agent, wired to the rollout's policy route when it calls a model."""
         settings = self.settings
+        if settings.workflow is not None:
+            environment.kwargs = settings.workflow.environment_kwargs(
+                self.request, environment.kwargs
+            )
+            return AgentConfig(
+                import_path=settings.agent.import_path,
+                kwargs=settings.workflow.agent_kwargs(self.request),
+                override_timeout_sec=self.agent_timeout_sec,
+                override_setup_timeout_sec=settings.agent_setup_timeout_sec,
+            )
         kwargs = copy.deepcopy(settings.native_agent_kwargs)
         env: dict[str, str] = {}
         model = settings.model_name
@@ -304,6 +365,7 @@ class TrialPhases(RolloutPhases):
         settings.active_trials.discard(self.trial_name)
         if not self.trial_dir.is_dir():
             return []
+        drop_unreachable(self.trial_dir)
         scrub_secrets(self.trial_dir, secrets)
         stored = settings.sink.store(self.request.rollout_id, self.trial_dir / "artifacts")
         settings.retention.finish(

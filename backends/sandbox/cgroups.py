@@ -199,6 +199,15 @@ class SandboxCgroup:
             files.append(f"{self._v2_str}/{sub}/cgroup.procs")
         return list(dict.fromkeys(files))
 
+    def teardown_request(self) -> dict[str, object]:
+        """How the spawner kills this sandbox if its owner dies (see zygote._kill_sandbox)."""
+        v2 = self._v2_str
+        return {
+            "kill": f"{v2}/cgroup.kill" if v2 is not None and self.layout.can_kill_tree else None,
+            "events": f"{v2}/cgroup.events" if v2 is not None else None,
+            "procs": list(self._v1_procs),
+        }
+
     def new_exec_group(self, sub: str) -> None:
         if self.v2_dir is not None:
             (self.v2_dir / sub).mkdir(exist_ok=True)

@@ -4,9 +4,11 @@ Why a launcher and not plain `bwrap`: bubblewrap run by root leaves the sandbox 
 (measured: it reads /etc/shadow). So between fork and exec the launcher
 
 1. joins the sandbox's cgroups (before any fork inside can escape them),
-2. unshares a user namespace whose uid/gid map (written from outside by a short-lived helper,
-   since a process cannot map a range into its own new namespace) sends in-sandbox root to
-   host uid `UID_BASE`: host secrets become unreadable, yet `chown`, `su`, `useradd` work,
+2. unshares a user namespace whose uid/gid map (written from outside by the spawner, since
+   a process cannot map a range into its own new namespace) sends in-sandbox root to the
+   first host uid of the sandbox's leased range (`backends.sandbox.uids`): host secrets
+   become unreadable, yet `chown`, `su`, `useradd` work; the layers, owned on disk by the
+   range from `UID_BASE`, are shown shifted to the sandbox's range by an idmapped mount,
 3. mounts the copy-on-write overlay inside that namespace's private mount namespace, so the
    mount vanishes with the sandbox even if this process is SIGKILLed,
 4. execs bubblewrap for the pid/ipc/uts/net/mount namespaces and the bind mounts.
@@ -24,6 +26,7 @@ import functools
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -79,6 +82,11 @@ class BootSpec:
     volatile: bool = False
     disk: Path | None = None  # ext4 image holding upper and work, mounted on their parent
     shm_bytes: int = 64 * 1024 * 1024  # size of /dev/shm (docker's default)
+    # How the spawner kills the whole sandbox when the owner dies (cgroups.teardown_request).
+    teardown: dict[str, object] = field(default_factory=dict)
+    uid_base: int = UID_BASE  # host uid of sandbox root (the sandbox's leased range)
+    uid_lease: int = -1  # the range's locked fd: the spawner holds a copy while bwrap lives
+    idmap_tree: Path | None = None  # shown shifted from the layers' range to the sandbox's
 
 
 @functools.cache
@@ -128,6 +136,15 @@ def _boot_request(spec: BootSpec) -> dict[str, object]:
         "stages": [
             [str(b.source), str(staged(spec, i)), b.read_only] for i, b in enumerate(spec.binds)
         ],
+        "teardown": spec.teardown,
+        "owner_uid": spec.uid_base,
+        "idmap": None
+        if spec.idmap_tree is None
+        else {
+            "tree": str(spec.idmap_tree),
+            # Root's own files stay root's (else host root could not reach the layers).
+            "map": f"0 0 1\n{UID_BASE} {spec.uid_base} {UID_COUNT}\n",
+        },
     }
 
 
@@ -272,11 +289,15 @@ class Spawner:
         boot: dict[str, object] | None = None,
         enter: dict[str, object] | None = None,
         enter_pidfd: int = -1,
+        uid_base: int = UID_BASE,
+        hold: int = -1,
     ) -> SandboxProcess:
         """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
 
         With `enter` ({"uid", "gid", "groups"}) argv runs inside the live sandbox whose pid 1
-        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH.
+        is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH. With `boot`, a new
+        user namespace maps sandbox root to host `uid_base`. The spawner keeps a copy of the
+        fd `hold` (if any) until the child has exited.
 
         Raises:
             OSError: the spawner is gone, or the child failed before exec (message says why).
@@ -291,11 +312,14 @@ class Spawner:
             "fds": list(range(len(fds))),
             "cgroups": list(cgroup_procs),
             "boot": boot,
-            "uid_map": f"0 {UID_BASE} {UID_COUNT}\n",
+            "uid_map": f"0 {uid_base} {UID_COUNT}\n",
             "enter": enter,
+            "hold": hold >= 0,
         }
         data = json.dumps(req).encode()
         send_fds = list(fds)
+        if hold >= 0:
+            send_fds.append(hold)
         if enter is not None:
             if enter_pidfd < 0:
                 raise OSError("no pidfd of the sandbox's pid 1 to enter it by")
@@ -477,11 +501,8 @@ class Booted:
         """Is the sandbox's pid 1 still running (asked through its pidfd, never its number)?"""
         if self.init_fd < 0:
             return False
-        try:
-            signal.pidfd_send_signal(self.init_fd, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        # Readable once it exited, even while still a zombie (a signal would reach that).
+        return not select.select([self.init_fd], [], [], 0)[0]
 
     def open_namespace(self, name: str) -> int:
         """An fd of one of the sandbox's namespaces, checked to belong to its live pid 1.
@@ -546,6 +567,8 @@ async def boot(spec: BootSpec) -> Booted:
                 fds=(keep_r, out_w, err_w, info_w, filter_r),
                 cgroup_procs=spec.cgroup_procs,
                 boot=_boot_request(spec),
+                uid_base=spec.uid_base,
+                hold=spec.uid_lease,
             )
         except OSError as e:
             raise SandboxStartError(f"could not start bubblewrap: {e}") from e

@@ -7,17 +7,22 @@ Load it in Harbor with `EnvironmentConfig(import_path="backends.sandbox.local:Lo
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 import anyio
-from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.base import (
+    BaseEnvironment,
+    ExecResult,
+    ServiceOperationsUnsupportedError,
+)
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
@@ -25,6 +30,7 @@ from harbor.environments.capabilities import (
 from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.paths import EnvironmentPaths
+from harbor.utils.path_filter import filter_paths_by_patterns
 
 from backends.sandbox import layers, transfer, unpack
 from backends.sandbox.cgroups import Limits
@@ -89,8 +95,12 @@ TRANSFER_TIMEOUT_SEC = 1800  # a download the sandbox stalls must not hold a tri
 class LocalSandbox(BaseEnvironment):
     """A Harbor environment run as a local bubblewrap sandbox.
 
-    Isolation: a user namespace mapping sandbox root to host uid 100000 (host secrets stay
-    unreadable), pid/ipc/uts/mount namespaces, its own network namespace (only loopback, or
+    Isolation: a user namespace mapping sandbox root to a host uid range of its own (65,536
+    ids leased per running sandbox from `BACKENDS_SANDBOX_UID_BASE`, default 1,000,000, so
+    per-uid kernel limits are not shared; host secrets stay unreadable), a session of its
+    own for every command (no controlling terminal), a fresh session keyring, a seccomp
+    filter in the spirit of Docker's default (`backends.sandbox.seccomp`), pid/ipc/uts/mount
+    namespaces, its own network namespace (only loopback, or
     with `network_mode = "public"` a NAT'd uplink through slirp4netns that cannot reach the
     host's loopback), a copy-on-write overlay over the image's layers, and limits from
     task.toml (`cpus`, `memory_mb` by cgroups, `storage_mb` by a disk image) plus a pids
@@ -110,8 +120,8 @@ class LocalSandbox(BaseEnvironment):
     - `relay_socket`: host path of a Unix socket (the policy relay). It is bound at
       `/run/backends/relay.sock` and a `socat` forwarder inside listens on
       `127.0.0.1:<relay_port>` (default 18080) and connects to it, so a sandbox without
-      network reaches exactly that one endpoint. The socket must accept connections from host
-      uid 100000 (for example mode 0666; its directory may stay private).
+      network reaches exactly that one endpoint. The socket must accept connections from any
+      sandbox's host uid (for example mode 0666; its directory may stay private).
     - `relay_port`: the in-sandbox TCP port of that forwarder.
     - `host_python`: True binds this host interpreter's installation (`sys.base_prefix`)
       read-only at its original path (its RUNPATH needs that path); a string binds that
@@ -443,7 +453,11 @@ class LocalSandbox(BaseEnvironment):
         await self._untar_into(target, lambda out: transfer.pack_dir_contents(source, out))
 
     async def _tar_out(
-        self, argv: list[str], what: str, extract: Callable[[BinaryIO], None]
+        self,
+        argv: list[str],
+        what: str,
+        extract: Callable[[BinaryIO], None],
+        stdin: bytes | None = None,
     ) -> None:
         box = self._require()
         limit = self._max_download
@@ -455,6 +469,7 @@ class LocalSandbox(BaseEnvironment):
             res = await box.run(
                 argv,
                 user=await box.resolve_user(0),
+                stdin=stdin,
                 stdout=archive,
                 timeout=TRANSFER_TIMEOUT_SEC,
                 output_limit=limit,
@@ -463,7 +478,11 @@ class LocalSandbox(BaseEnvironment):
                 raise unpack.DownloadTooLargeError(
                     f"cannot download {what}: larger than {limit} bytes (max_download_bytes)"
                 )
-            if res.return_code != 0:
+            if res.return_code == 1:
+                # GNU tar's "some files differ": a file changed while it was read (a daemon
+                # still appending to a log). The archive is whole; the unpacker checks it.
+                log.warning("download of %s: %s", what, res.stderr.decode().strip()[-2000:])
+            elif res.return_code != 0:
                 raise FileNotFoundError(f"cannot download {what}: {res.stderr.decode().strip()}")
             await anyio.to_thread.run_sync(extract, archive)
 
@@ -503,12 +522,87 @@ class LocalSandbox(BaseEnvironment):
             would replace a directory. DownloadTooLargeError (an OSError): past
             `max_download_bytes`, or past the limit of a file host tools read whole.
         """
+        await self._download_tree(source_dir, target_dir, ["."])
+
+    async def download_dir_with_exclusions(
+        self, *, source_dir: str, target_dir: Path | str, exclude: list[str]
+    ) -> None:
+        """`download_dir` without the members matching tar's `--exclude` patterns.
+
+        Harbor's own version unpacks a sandbox-made tar.gz with tarfile on the host; this one
+        goes through the same checked unpacker and limits as `download_dir`.
+        """
+        await self._download_tree(
+            source_dir, target_dir, [f"--exclude={p}" for p in exclude] + ["."]
+        )
+
+    async def service_download_dir_with_exclusions(
+        self,
+        *,
+        source_dir: str,
+        target_dir: Path | str,
+        exclude: list[str],
+        service: str | None = None,
+    ) -> None:
+        if not self.is_main_service(service):
+            raise ServiceOperationsUnsupportedError(self._service_unsupported_message(str(service)))
+        await self.download_dir_with_exclusions(
+            source_dir=source_dir, target_dir=target_dir, exclude=exclude
+        )
+
+    async def download_dir_filtered(
+        self,
+        *,
+        source_dir: str,
+        target_dir: Path | str,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        protect: Sequence[str] | None = None,
+    ) -> None:
+        """`download_dir` of the regular files matching Harbor's fnmatch filters.
+
+        As Harbor's: `include` narrows, `exclude` wins on overlap, `protect` names (exact
+        relative paths) come along regardless. Unlike Harbor's, the chosen files go through
+        the checked unpacker and limits of `download_dir`.
+        """
+        box = self._require()
+        source = transfer.sandbox_path(source_dir, self.workdir)
+        await anyio.Path(target_dir).mkdir(parents=True, exist_ok=True)
+        listing = await box.run(
+            ["/bin/sh", "-c", 'cd -- "$0" && exec find . -type f -print0', source],
+            user=await box.resolve_user(0),
+            timeout=TRANSFER_TIMEOUT_SEC,
+        )
+        if listing.return_code != 0 or listing.stdout_dropped:
+            raise FileNotFoundError(
+                f"cannot list {source} for download: {listing.stderr.decode().strip()}"
+            )
+        paths = [os.fsdecode(n).removeprefix("./") for n in listing.stdout.split(b"\0") if n]
+        selected = filter_paths_by_patterns(paths, include=include, exclude=exclude)
+        protected = set(protect or ()) - set(selected)
+        selected += [p for p in paths if p in protected]
+        if not selected:
+            log.warning("no files in %s matched include=%s exclude=%s", source, include, exclude)
+            return
+        names = b"".join(os.fsencode("./" + p) + b"\0" for p in selected)
+        await self._download_tree(
+            source, target_dir, ["--null", "--no-recursion", "-T", "-"], stdin=names
+        )
+
+    async def _download_tree(
+        self,
+        source_dir: str,
+        target_dir: Path | str,
+        members: list[str],
+        stdin: bytes | None = None,
+    ) -> None:
         source = transfer.sandbox_path(source_dir, self.workdir)
         target = Path(target_dir)
         await self._tar_out(
-            ["tar", "-c", "--sparse", "-C", source, "-f", "-", "."],
+            ["tar", "-c", "--sparse", "-C", source, "-f", "-", *members],
             source,
             lambda archive: unpack.into(archive, target, max_bytes=self._max_download),
+            stdin=stdin,
         )
 
 

@@ -3,8 +3,9 @@
 `LocalSandbox` (the Harbor environment) and the layer builder both drive this class. It
 owns four things that must not leak: the bwrap process tree, its cgroups, its overlay upper
 directory and an owner record. `stop()` removes all four; if the owning process dies first,
-`--die-with-parent` plus the pid namespace take the processes down, the mount lives only in
-the sandbox's own mount namespace, and `reap_orphans()` removes the rest on the next start.
+the spawner (which outlives it in a session of its own) kills every process through the
+sandbox's cgroup, whatever root inside did to pid 1, the mount lives only in the sandbox's
+own mount namespace, and `reap_orphans()` removes the rest on the next start.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import BinaryIO, SupportsIndex
 
 import anyio
 
-from backends.sandbox import cgroups, disk, launcher, network
+from backends.sandbox import cgroups, disk, launcher, network, uids
 from backends.sandbox.errors import (
     ExecTimeoutError,
     SandboxNotRunningError,
 )
-from backends.sandbox.settings import UID_BASE, UID_COUNT, private_dir, run_dir
+from backends.sandbox.settings import UID_BASE, UID_COUNT, cache_dir, private_dir, run_dir
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class BwrapSandbox:
         self._uplink: network.Uplink | None = None
         self._users: dict[str | int, User] = {}
         self._exec_ids = itertools.count()
+        self._lease: uids.Lease | None = None
 
     # Built on first use: a sandbox that takes a pooled entry takes that entry's name, so
     # computing them for the constructor's name would be wasted work on every start.
@@ -148,6 +150,8 @@ class BwrapSandbox:
                 else:  # a few mkdirs and cgroup writes: cheaper inline than a thread hop
                     _prepare_dir(*prepare)
             launcher.prepare_stage(spec)
+            self._lease = uids.lease()
+            spec.uid_base, spec.uid_lease = self._lease.base, self._lease.fd
             self._booted = await launcher.boot(spec)
             if self.spec.network:
                 self._uplink = await network.connect(self._booted)
@@ -166,12 +170,14 @@ class BwrapSandbox:
             # Every sandbox mounts its overlay here, each in its own private mount namespace.
             merged=_shared_mount_point(),
             cgroup_procs=self.cgroup.procs_files(),
+            teardown=self.cgroup.teardown_request(),
             network=self.spec.network,
             resolv_conf=network.resolv_conf() if self.spec.network else "/etc/resolv.conf",
             binds=self.spec.binds,
             stage_dir=self.dir / "binds",
             volatile=self.spec.upper is None,
             shm_bytes=self.spec.shm_mb * 1024 * 1024,
+            idmap_tree=cache_dir(),  # the layers, the writable layer and its disk image
         )
 
     def _pool_key(self) -> _PoolKey:
@@ -210,6 +216,9 @@ class BwrapSandbox:
             await self.cgroup.wait_empty()
         if booted is not None:
             booted.close()
+        if self._lease is not None:  # nothing of the sandbox runs as its uids any more
+            self._lease.release()
+            self._lease = None
         if self._uplink is not None:
             # Host-side infrastructure, not sandbox code: killed, but not waited for (its
             # network device's teardown takes tens of ms); the spawner reaps it.

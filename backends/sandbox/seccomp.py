@@ -46,6 +46,7 @@ DENIED = (
     # mounts and namespaces: root inside may not rearrange its own mount tree
     "mount",
     "umount2",
+    "umount",  # i386 only (int 0x80, nr 22): the same unmount without flags
     "pivot_root",
     "fsopen",
     "fsconfig",

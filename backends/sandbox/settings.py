@@ -5,11 +5,29 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# In-sandbox root is this host uid; the 65536 ids above it are the sandbox's users.
-# Every sandbox shares the range (each in its own user namespace), so one uid-shifted
-# base rootfs and one layer cache serve them all.
+# Files of the shared layers (base rootfs, built layers, writable layers) are owned on disk by
+# this range: sandbox uid n is host uid UID_BASE + n there. One uid-shifted copy serves every
+# sandbox, each seeing it through an idmapped mount shifted to its own range.
 UID_BASE = 100_000
 UID_COUNT = 65_536
+
+
+def sandbox_uid_ranges() -> tuple[int, int]:
+    """(first host uid, number of ranges) of the ranges running sandboxes get, one each.
+
+    `BACKENDS_SANDBOX_UID_BASE` (default 1,000,000) and `BACKENDS_SANDBOX_UID_RANGES`
+    (default 4096): range k is [base + k * 65536, base + (k + 1) * 65536), and at most that
+    many sandboxes run at once on the host. Pick a base no host user or subuid range uses.
+    """
+    base = int(os.environ.get("BACKENDS_SANDBOX_UID_BASE", 1_000_000))
+    count = int(os.environ.get("BACKENDS_SANDBOX_UID_RANGES", 4096))
+    if base < UID_BASE + UID_COUNT or count < 1 or base + count * UID_COUNT > 2**32 - 1:
+        raise ValueError(
+            f"sandbox uid ranges from {base}, {count} of them, must lie above the layers' range "
+            f"({UID_BASE}..{UID_BASE + UID_COUNT - 1}) and below 2**32 - 1"
+        )
+    return base, count
+
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 

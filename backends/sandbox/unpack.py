@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import posixpath
+import stat
 import struct
 import tarfile
 import uuid
@@ -48,12 +49,16 @@ MODE_MASK = 0o755
 # in memory, so a hostile archive must not make one header gigabytes long.
 MAX_HEADER_BYTES = 8 * 1024 * 1024
 CHUNK = 1024 * 1024
+# Deepest member path accepted (in components): deeper is refused by name. It bounds the
+# recursion and the directory descriptors one download needs.
+MAX_DEPTH = 256
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 SYS_OPENAT2 = 437  # the same number on every architecture
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -65,21 +70,60 @@ class DownloadTooLargeError(OSError):
     """The download holds more than the caller allows (in total, or one parsed file)."""
 
 
-def resolves_beneath(root_fd: int, path: str) -> bool:
-    """Does `path` (relative to the directory fd `root_fd`) resolve inside it, per the kernel?
+def _open_beneath(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
+    """openat2 of `path` under the directory fd `root_fd`, never leaving it: an fd, or -1."""
+    how = struct.pack("=QQQ", flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH | resolve)
+    return int(_libc.syscall(SYS_OPENAT2, root_fd, os.fsencode(path), how, len(how)))
 
-    A dangling path whose existing part stays inside counts as inside; `..` past the root,
-    an absolute symlink, a magic link or a loop does not.
+
+def _resolved_beneath(root_fd: int, path: str) -> os.stat_result | None:
+    """The entry `path` (relative to the directory fd `root_fd`) resolves to, per the kernel,
+    if it exists inside the root; None for a dangling path, `..` past the root, an absolute
+    symlink, a magic link or a loop.
     """
-    how = struct.pack("=QQQ", os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(SYS_OPENAT2, root_fd, os.fsencode(path), how, len(how))
-    if fd >= 0:
+    fd = _open_beneath(root_fd, path, os.O_PATH, RESOLVE_NO_MAGICLINKS)
+    if fd < 0:  # ENOSYS before Linux 5.6: no way to ask the kernel, so nothing is inside
+        return None
+    try:
+        return os.fstat(fd)
+    finally:
         os.close(fd)
-        return True
-    err = ctypes.get_errno()
-    if err == errno.ENOSYS:  # before Linux 5.6: no way to ask the kernel, so keep nothing
-        return False
-    return err in (errno.ENOENT, errno.ENOTDIR)
+
+
+def resolves_beneath(root_fd: int, path: str) -> bool:
+    """Does `path` resolve to an existing entry inside the directory fd `root_fd`?
+
+    A dangling path counts as outside: a later download into the same directory could make
+    its missing names links that turn it into a way out.
+    """
+    return _resolved_beneath(root_fd, path) is not None
+
+
+def _links_under(root_fd: int) -> set[str]:
+    """Every symlink in the tree of `root_fd`, as paths relative to it.
+
+    Directories are reopened by path, through no symlink, so a wide tree holds no more than
+    one descriptor at a time; parts deeper than PATH_MAX are not seen (a download drops every
+    link of its own it cannot resolve, so none of them is there).
+    """
+    links: set[str] = set()
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        fd = _open_beneath(root_fd, rel or ".", _DIR_FLAGS, RESOLVE_NO_SYMLINKS)
+        if fd < 0:
+            continue
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    path = f"{rel}{entry.name}"
+                    if entry.is_symlink():
+                        links.add(path)
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append(path + "/")
+        finally:
+            os.close(fd)
+    return links
 
 
 class _BoundedReader:
@@ -114,6 +158,7 @@ class _Extraction:
     links: list[tuple[str, ...]] = field(default_factory=list)  # symlinks written
     modes: list[tuple[tuple[str, ...], int]] = field(default_factory=list)  # dirs, set last
     dropped: list[str] = field(default_factory=list)
+    outside_before: set[str] = field(default_factory=set)  # the target's links leading out
 
     def close(self) -> None:
         for fd in self.dirs.values():
@@ -220,6 +265,11 @@ def _member_parts(name: str, dest: Path) -> tuple[str, ...]:
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
     if ".." in parts:
         raise SandboxPathError(f"download member {name!r} would be written outside {dest}")
+    if len(parts) > MAX_DEPTH:
+        raise SandboxPathError(
+            f"download member {name[:200]!r}... is {len(parts)} directories deep; at most "
+            f"{MAX_DEPTH} are accepted"
+        )
     return parts
 
 
@@ -280,6 +330,13 @@ def into(
     root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     state = _Extraction(root_fd, dest, max_bytes)
     try:
+        # The host's own links that already lead out are left alone; any other that does
+        # once this download is in goes. One regular file (download_file) makes no link, and
+        # its target's parent may be any large host directory: no walk then.
+        if rename_single is None:
+            state.outside_before = {
+                p for p in _links_under(root_fd) if not resolves_beneath(root_fd, p)
+            }
         try:
             archive.seek(0)
             reader = _BoundedReader(archive)
@@ -292,7 +349,8 @@ def into(
                     break
             for parts, mode in reversed(state.modes):
                 os.chmod(state.directory(parts), mode)
-            _drop_escaping_links(state)
+            if rename_single is None:
+                _drop_escaping_links(state)
         except BaseException:
             state.undo()
             raise
@@ -385,19 +443,38 @@ def _extract_member(state: _Extraction, archive: BinaryIO, member: tarfile.TarIn
 
 
 def _drop_escaping_links(state: _Extraction) -> None:
-    """Remove the symlinks this call made that the kernel resolves outside the target.
+    """Remove the target's symlinks that do not resolve, per the kernel, to an existing entry
+    inside it, and refuse the download if one named like a parsed file leads to a larger file.
 
-    Judged once the whole tree is in (a link made early may point through names a later
-    member turned into links), all before any is removed: a chain through an escaping link
-    escapes too, where after that link's removal it would only dangle. Pre-existing entries
-    of the target are never touched.
+    Judged once the whole tree is in, over the whole target (links of an earlier download
+    into it may lead somewhere new through what this one wrote), all before any is removed:
+    a chain through an escaping link escapes too, where after that link's removal it would
+    only dangle. Links of the target that led outside before this call are left alone.
     """
-    escaping = [p for p in state.links if not resolves_beneath(state.root_fd, "/".join(p))]
-    for parts in escaping:
+    made = {"/".join(p) for p in state.links}
+    escaping = []
+    for path in sorted(_links_under(state.root_fd) | made):
+        resolved = _resolved_beneath(state.root_fd, path)
+        if resolved is None:
+            if path in made or path not in state.outside_before:
+                escaping.append(path)
+            continue
+        limit = PARSED_FILE_LIMITS.get(posixpath.basename(path))
+        if limit is not None and stat.S_ISREG(resolved.st_mode) and resolved.st_size > limit:
+            # Removed even when an earlier download made it: the file it leads to may have
+            # been replaced by this one, which undoing this call cannot put back.
+            parts = tuple(path.split("/"))
+            os.unlink(parts[-1], dir_fd=state.directory(parts[:-1]))
+            raise DownloadTooLargeError(
+                f"download link {path!r} leads to a file of {resolved.st_size} bytes; files "
+                f"named like it are read whole by the host and may be at most {limit} bytes"
+            )
+    for path in escaping:
+        parts = tuple(path.split("/"))
         parent = state.directory(parts[:-1])
         try:
             target = os.readlink(parts[-1], dir_fd=parent)
         except OSError:
-            continue  # replaced by a later member of this download: not a link any more
-        state.dropped.append(f"{'/'.join(parts)} -> {target}")
+            continue
+        state.dropped.append(f"{path} -> {target}")
         os.unlink(parts[-1], dir_fd=parent)

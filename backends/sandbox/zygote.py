@@ -7,15 +7,16 @@ a busy VM, twice per boot because the uid map needs a helper outside the new nam
 This process imports only the standard library's basics, so its fork is cheap, and it
 writes the uid map itself, so a boot forks once.
 
-It is run as `python -I -S zygote.py FD` by `backends.sandbox.launcher`, talks over the
-SOCK_SEQPACKET socket FD, and exits when the other end closes (its owner died or is done);
-every bwrap it started has `--die-with-parent` and dies with it.
+It is run as `python -I -S zygote.py FD CONFIG` by `backends.sandbox.launcher` (CONFIG: JSON
+with the compiled seccomp filter and keyctl's syscall number), talks over the SOCK_SEQPACKET
+socket FD, and when the other end closes (its owner died or is done) kills every sandbox it
+booted through its cgroup, then exits.
 
 Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 
 - request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
   files], "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
-  [image, point]}, "uid_map",
+  [image, point], "teardown": {"kill", "events", "procs"}}, "uid_map",
   "enter": null | {"uid", "gid", "groups"}}` with the fds to install at those numbers
   (every other fd is closed), and with `enter` the pidfd of the sandbox's pid 1 after them.
   `enter` runs the command inside a live sandbox: the child is forked straight into the
@@ -41,6 +42,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -53,7 +55,14 @@ MS_RDONLY = 1
 MS_NODEV = 4
 MS_REMOUNT = 32
 MS_BIND = 4096
-SYS_MOUNT_SETATTR = 442  # the same number on every architecture (a newer syscall)
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture (newer syscalls)
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+OPEN_TREE_CLONE = 1
+O_CLOEXEC = 0o2000000
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 4
+MOUNT_ATTR_IDMAP = 0x00100000
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 1
@@ -161,6 +170,9 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             _check(_mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
             if boot.get("disk"):
                 _mount_disk(*boot["disk"])
+            if boot.get("idmap"):
+                assert target is not None
+                _idmap_tree(boot["idmap"]["tree"], target)
             _check(
                 _mount(
                     b"overlay", boot["merged"].encode(), b"overlay", MS_NODEV,
@@ -175,6 +187,10 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
                 )
                 if read_only:
                     _make_read_only(point)
+            # Created as the sandbox's own host uid, which then owns the namespace: the
+            # kernel's per-user counts (inotify instances, ...) at the host level are charged
+            # to it, not to host root, whose are shared by everything else.
+            os.setresuid(boot["owner_uid"], boot["owner_uid"], 0)
             _check(_unshare(CLONE_NEWUSER), "unshare user namespace")
             os.write(err_w, b"U")  # the spawner, outside, writes our uid/gid map
             if os.read(go_r, 1) != b"G":
@@ -198,6 +214,66 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             os.write(err_w, b"E" + f"{type(e).__name__}: {e}".encode(errors="replace"))
         finally:
             os._exit(127)
+
+
+def _idmap_tree(path: str, userns: int) -> None:
+    """Show the mount tree at `path` (in our private mount namespace) through `userns`'s map."""
+    fd = _syscall(
+        SYS_OPEN_TREE, AT_FDCWD, path.encode(), OPEN_TREE_CLONE | O_CLOEXEC | AT_RECURSIVE
+    )
+    if fd < 0:
+        _check(fd, f"open_tree {path}")
+    try:
+        attr = struct.pack("=4Q", MOUNT_ATTR_IDMAP, 0, 0, userns)  # struct mount_attr
+        flags = AT_EMPTY_PATH | AT_RECURSIVE
+        _check(_syscall(SYS_MOUNT_SETATTR, fd, b"", flags, attr, len(attr)), f"idmap {path}")
+        _check(
+            _syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+            f"mount the idmapped {path}",
+        )
+    finally:
+        os.close(fd)
+
+
+def _kill_sandbox(teardown: dict, limit_sec: float = 5.0) -> None:
+    """SIGKILL a sandbox through its cgroup and wait (a while) until it is empty.
+
+    `teardown`: {"kill": the sandbox's cgroup.kill or null, "events": its cgroup.events or
+    null, "procs": v1 cgroup.procs files}. Without cgroup.kill, members are signalled by pid.
+    """
+    if teardown.get("kill"):
+        try:
+            _write_file(teardown["kill"], b"1")
+        except OSError:
+            pass
+    deadline = time.monotonic() + limit_sec
+    while time.monotonic() < deadline:
+        pids = []
+        for procs in teardown.get("procs", ()):
+            try:
+                with open(procs) as f:
+                    pids += [int(x) for x in f.read().split()]
+            except OSError:
+                pass
+        if not pids and not _populated(teardown.get("events")):
+            return
+        if not teardown.get("kill"):
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.005)
+
+
+def _populated(events: str | None) -> bool:
+    if not events:
+        return False
+    try:
+        with open(events) as f:
+            return "populated 1" in f.read()
+    except OSError:
+        return False
 
 
 def _make_read_only(point: str) -> None:
@@ -287,7 +363,7 @@ def _enter(enter: dict, target: int) -> None:
 
 
 class _Child:
-    __slots__ = ("err_r", "error", "go_w", "pidfd", "replied", "req_id", "uid_map")
+    __slots__ = ("err_r", "error", "go_w", "hold", "pidfd", "replied", "req_id", "uid_map")
 
     def __init__(self, req_id: int, err_r: int, go_w: int, pidfd: int, uid_map: str) -> None:
         self.req_id = req_id
@@ -297,6 +373,7 @@ class _Child:
         self.error = b""
         self.replied = False
         self.uid_map = uid_map
+        self.hold: int | None = None  # closed once the child is reaped
 
 
 class Spawner:
@@ -305,6 +382,8 @@ class Spawner:
         self.sel = selectors.DefaultSelector()
         self.sel.register(sock, selectors.EVENT_READ, ("ctl", 0))
         self.children: dict[int, _Child] = {}
+        self.sandboxes: dict[int, dict] = {}  # bwrap pid -> how to kill that sandbox
+        self.userns: dict[str, int] = {}  # uid map -> user namespace fd, for idmapped mounts
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -315,7 +394,7 @@ class Spawner:
             else:
                 self.sock.send(data)
         except OSError:
-            os._exit(0)  # the owner is gone
+            self.owner_gone()
 
     def run(self) -> None:
         while True:
@@ -334,24 +413,30 @@ class Spawner:
         except OSError:
             data, fds = b"", []
         if not data:
-            os._exit(0)  # owner closed the socket or died
+            self.owner_gone()  # owner closed the socket or died
         req = json.loads(data)
         if req.get("spilled"):  # too large for a message: it came in a memfd, the last fd
             spill = fds.pop()
             size = os.fstat(spill).st_size
             req = json.loads(os.pread(spill, size, 0))
             os.close(spill)
-        # With `enter`, the sandbox's pid 1 comes as a pidfd, the last fd.
+        # With `enter`, the sandbox's pid 1 comes as a pidfd, the last fd; before it, the fd
+        # to hold while the child lives.
         target = fds.pop() if req.get("enter") else None
+        hold = fds.pop() if req.get("hold") else None
         err_r, err_w = os.pipe()
         go_r, go_w = os.pipe()
         own = [f for f in (*fds, target) if f is not None]
+        boot = req.get("boot")
         try:
-            pid = self.fork(target)
+            if boot and boot.get("idmap"):  # the child's, for the idmapped layers
+                target = os.dup(self.idmap_userns(boot["idmap"]["map"]))
+                own.append(target)
+            pid = self.fork(None if boot else target)
         except OSError as e:
-            for f in (*own, err_r, err_w, go_r, go_w):
+            for f in (*own, err_r, err_w, go_r, go_w, *([] if hold is None else [hold])):
                 os.close(f)
-            where = "fork" if target is None else "enter the sandbox"
+            where = "enter the sandbox" if req.get("enter") else "fork"
             self.send({"id": req["id"], "error": f"{where}: {e}"})
             return
         if pid == 0:
@@ -360,8 +445,45 @@ class Spawner:
             os.close(f)
         pidfd = os.pidfd_open(pid)
         self.children[pid] = _Child(req["id"], err_r, go_w, pidfd, req.get("uid_map", ""))
+        self.children[pid].hold = hold
+        if boot:
+            self.sandboxes[pid] = boot["teardown"]
         self.sel.register(err_r, selectors.EVENT_READ, ("err", pid))
         self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+
+    def idmap_userns(self, uid_map: str) -> int:
+        """A user namespace with this uid and gid map, to idmap mounts with (made once)."""
+        fd = self.userns.get(uid_map)
+        if fd is not None:
+            return fd
+        ready_r, ready_w = os.pipe()
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # lives just long enough to have its namespace opened
+            try:
+                os.close(ready_r)
+                os.close(done_w)  # else our own copy would keep the read below from ending
+                _check(_unshare(CLONE_NEWUSER), "unshare user namespace")
+                os.write(ready_w, b"1")
+                os.read(done_r, 1)
+            finally:
+                os._exit(0)
+        os.close(ready_w)
+        os.close(done_r)
+        try:
+            if os.read(ready_r, 1) != b"1":
+                raise OSError("could not create the idmap user namespace")
+            for name in ("uid_map", "gid_map"):
+                _write_file(f"/proc/{pid}/{name}", uid_map.encode())
+            fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            os.close(ready_r)
+            os.close(done_w)
+            os.waitpid(pid, 0)
+        if len(self.userns) >= 64:  # ranges come and go: keep the recent ones
+            os.close(self.userns.pop(next(iter(self.userns))))
+        self.userns[uid_map] = fd
+        return fd
 
     def fork(self, target: int | None) -> int:
         """fork(); with `target` (a pidfd), the child is born in that process's pid namespace."""
@@ -411,7 +533,20 @@ class Spawner:
             c.replied = True
             self.send({"id": c.req_id, "pid": pid}, [c.pidfd])
 
+    def owner_gone(self) -> None:
+        """Kill every sandbox we booted that is still alive, then exit.
+
+        Not left to the sandboxes' parent-death signals: root inside can clear pid 1's (by
+        ptrace) and keep the sandbox alive past its owner. cgroup.kill reaches every process
+        of a sandbox whatever it did.
+        """
+        for teardown in self.sandboxes.values():
+            _kill_sandbox(teardown)
+        os._exit(0)
+
     def reap(self, pid: int) -> None:
+        # A booted sandbox's bwrap exits only after its pid 1, so after all of the sandbox.
+        self.sandboxes.pop(pid, None)
         c = self.children.pop(pid)
         if c.err_r is not None:  # the child is dead, so its end is closed: read to EOF
             self.children[pid] = c
@@ -421,6 +556,8 @@ class Spawner:
         _, status = os.waitpid(pid, 0)
         self.sel.unregister(c.pidfd)
         os.close(c.pidfd)
+        if c.hold is not None:
+            os.close(c.hold)
         if c.replied:
             self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 

@@ -1,0 +1,240 @@
+"""An ``AgentWorkflow`` as a Harbor agent: HarborBackend's ``agent=<AgentWorkflow>``.
+
+``WorkflowPlan`` is what HarborBackend holds for such an agent: it builds the project's bundle
+and installs it (both cached) at the backend's start, tells each trial what to bind and which
+input to hand the runner (the prompt, metadata, rollout id and relay route; never the label),
+and reads back the runner's output as the sample or the workflow's classified failure. The
+host grades that sample as any template-mode sample (its ``Grader``, or the template's tests).
+``BundleAgent`` is the Harbor ``BaseAgent`` a trial runs: it hands the input in, runs the
+runner with the bundle's Python, and brings the output out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+from harbor.agents.base import BaseAgent
+from harbor.environments.base import BaseEnvironment
+from harbor.models.agent.context import AgentContext
+from harbor.models.task.config import TaskConfig as HarborTaskConfig
+
+from backends.bundle.build import Bundle, BundleError, build_bundle
+from backends.bundle.environment import Environment, ensure_environment
+from backends.bundle.models import RunnerInput, RunnerOutput, read_bounded
+from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
+from backends.rollout.loading import load_object
+from backends.rollout.request import RolloutRequest
+from backends.rollout.route import PolicyRoute
+from backends.rollout.sample import RolloutSample
+from backends.rollout.workflow import AgentWorkflow
+from backends.sandbox.local import DEFAULT_RELAY_PORT
+
+BUNDLE_AGENT = "backends.bundle.agent:BundleAgent"
+OUTPUT_FILE = "runner_output.json"
+INPUT_FILE = "runner_input.json"
+ARTIFACTS_DIR = "/logs/artifacts"  # Harbor collects it like any agent's artifacts
+
+
+class BundleRunnerError(RuntimeError):
+    """The in-sandbox runner itself failed (not the workflow, whose errors it reports)."""
+
+
+class WorkflowPlan:
+    """How HarborBackend runs one ``AgentWorkflow`` inside its trials' sandboxes."""
+
+    def __init__(self, project: Path, entrypoint: str, workflow_config: str | None) -> None:
+        self.project = project
+        self.entrypoint = entrypoint
+        self.workflow_config = workflow_config
+        self.environment: Environment | None = None
+        self._lock = anyio.Lock()
+
+    @classmethod
+    def of(cls, agent: Any, *, workflow_config: Any = None) -> WorkflowPlan | None:
+        """The plan for ``agent`` if it names an ``AgentWorkflow`` (class or ``"main.py:Cls"``).
+
+        Returns ``None`` for anything else (Harbor agents). Raises ``BundleError`` for a
+        workflow whose project cannot ship: no pyproject.toml beside its file, a config that is
+        not a ``"file.py:name"`` reference.
+        """
+        if isinstance(agent, str) and ":" not in agent:
+            return None  # a Harbor registry name
+        try:
+            workflow = load_object(agent)
+        except ImportError:
+            return None  # not ours to explain: Harbor's agent resolution reports it
+        if not (isinstance(workflow, type) and issubclass(workflow, AgentWorkflow)):
+            return None
+        module = sys.modules.get(workflow.__module__)
+        source = Path(getattr(module, "__file__", None) or ".").resolve()
+        if workflow_config is not None and not isinstance(workflow_config, str):
+            raise BundleError(
+                "a workflow run in a sandbox takes workflow_config as a reference inside its "
+                "project ('main.py:config'), not an object: it is loaded there"
+            )
+        plan = cls(source.parent, f"{source.name}:{workflow.__qualname__}", workflow_config)
+        if not (plan.project / "pyproject.toml").is_file():
+            raise BundleError(
+                f"workflow {workflow.__qualname__} lives in {plan.project}, which has no "
+                "pyproject.toml: a rollout project is main.py beside a pyproject.toml"
+            )
+        return plan
+
+    @property
+    def label(self) -> str:
+        return f"workflow {self.project.name}/{self.entrypoint}"
+
+    async def prepare(self, task_dir: Path) -> Environment:
+        """Build the bundle and install it for the task's image, once (both cached on disk)."""
+        async with self._lock:
+            if self.environment is None:
+                task = HarborTaskConfig.model_validate_toml((task_dir / "task.toml").read_text())
+                bundle: Bundle = await anyio.to_thread.run_sync(
+                    lambda: build_bundle(self.project, entrypoint=self.entrypoint)
+                )
+                self.environment = await ensure_environment(
+                    bundle,
+                    environment_dir=task_dir / "environment",
+                    docker_image=task.environment.docker_image,
+                    entrypoint=self.entrypoint,
+                )
+            return self.environment
+
+    def runner_input(self, request: RolloutRequest) -> RunnerInput:
+        """The runner's input for ``request``: its route through the relay, never its label.
+
+        Raises ``RolloutValidationError`` when the request is not relayed (the upstream key
+        never enters a sandbox).
+        """
+        assert self.environment is not None, "prepare() first"
+        route = PolicyRoute.of(request)
+        return RunnerInput(
+            rollout_id=request.rollout_id,
+            project_dir=str(self.environment.bundle.project_dir),
+            entrypoint=self.entrypoint,
+            workflow_config=self.workflow_config,
+            prompt=request.prompt,
+            metadata=request.metadata,
+            base_url=route.sandbox_base_url(forwarder_port=DEFAULT_RELAY_PORT),
+            api_key=route.api_key,
+            artifacts_dir=ARTIFACTS_DIR,
+        )
+
+    def agent_kwargs(self, request: RolloutRequest) -> dict[str, Any]:
+        """``AgentConfig.kwargs`` for ``BundleAgent`` in ``request``'s trial."""
+        assert self.environment is not None, "prepare() first"
+        return {
+            "runner_input": self.runner_input(request).model_dump(mode="json"),
+            "python": str(self.environment.python),
+        }
+
+    def environment_kwargs(self, request: RolloutRequest, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """LocalSandbox kwargs for the trial: the environment bound in, the relay's socket."""
+        assert self.environment is not None, "prepare() first"
+        binds = kwargs.get("extra_binds") or []
+        if isinstance(binds, str):
+            binds = [b for b in binds.split(",") if b]
+        route = PolicyRoute.of(request)
+        return {
+            **kwargs,
+            "extra_binds": [*binds, *self.environment.binds()],
+            "host_python": True,
+            "relay_socket": str(route.relay_socket) if route.relay_socket else None,
+            "relay_port": DEFAULT_RELAY_PORT,
+        }
+
+    def collect(self, trial_dir: Path) -> RolloutSample | RolloutFailure:
+        """The runner's sample (reward and label cleared: the host grades), or the failure.
+
+        No output at all is a failure, never a sample to grade as 0.
+        """
+        path = trial_dir / "agent" / OUTPUT_FILE
+        try:
+            output = RunnerOutput.model_validate_json(read_bounded(path))
+        except FileNotFoundError:
+            return _agent_failure(
+                "the workflow runner left no output in the sandbox (it crashed, was killed or "
+                "timed out): the rollout has no sample"
+            )
+        except (OSError, ValueError) as exc:
+            return _agent_failure(f"the workflow runner's output is unusable: {exc}")
+        if output.status == "failure" or output.sample is None:
+            error = output.error
+            if error is None:
+                return _agent_failure("the workflow runner reported a failure without an error")
+            text = f"{error.message}\n{error.traceback}".strip()
+            return RolloutFailure(category=error.category, phase=Phase.AGENT, message=text)
+        sample = output.sample
+        sample.reward = None
+        sample.label = None
+        if output.info:
+            sample.extra_fields.setdefault("workflow_info", output.info)
+        return sample
+
+
+def _agent_failure(message: str) -> RolloutFailure:
+    return RolloutFailure(category=ErrorCategory.AGENT_ERROR, phase=Phase.AGENT, message=message)
+
+
+class BundleAgent(BaseAgent):
+    """Runs the bundle's runner in the trial's sandbox (built by ``WorkflowPlan``)."""
+
+    def __init__(
+        self,
+        logs_dir: Path,
+        model_name: str | None = None,
+        *args: Any,
+        runner_input: dict[str, Any] | None = None,
+        python: str = "",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(logs_dir, model_name, *args, **kwargs)
+        if runner_input is None or not python:
+            raise ValueError("BundleAgent is started by HarborBackend with agent=<AgentWorkflow>")
+        self.runner_input = RunnerInput.model_validate(runner_input)
+        self.python = python
+
+    @staticmethod
+    def name() -> str:
+        return "backends-bundle"
+
+    def version(self) -> str:
+        return "1"
+
+    async def setup(self, environment: BaseEnvironment) -> None:
+        result = await environment.exec(f"test -x {self.python}", user="root")
+        if result.return_code != 0:
+            raise BundleRunnerError(
+                f"the bundle's environment ({self.python}) is not in the sandbox: HarborBackend "
+                "binds it into local sandboxes only"
+            )
+
+    async def run(
+        self, instruction: str, environment: BaseEnvironment, context: AgentContext
+    ) -> None:
+        agent_dir = str(self.environment_logs_dir)
+        with tempfile.TemporaryDirectory() as scratch:
+            local = Path(scratch) / INPUT_FILE
+            local.write_text(self.runner_input.model_dump_json())
+            await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
+        command = (
+            f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
+            f"{agent_dir}/{INPUT_FILE} {agent_dir}/{OUTPUT_FILE}; status=$?; "
+            f"rm -f {agent_dir}/{INPUT_FILE}; exit $status"
+        )
+        # PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
+        result = await environment.exec(command, env={"PYTHONDONTWRITEBYTECODE": "1"}, user=None)
+        if not (self.logs_dir / OUTPUT_FILE).exists():
+            # No output: WorkflowPlan.collect reports the missing sample.
+            with contextlib.suppress(Exception):
+                await environment.download_file(
+                    f"{agent_dir}/{OUTPUT_FILE}", self.logs_dir / OUTPUT_FILE
+                )
+        if result.return_code != 0:
+            detail = (result.stderr or result.stdout or "").strip()[-4000:]
+            raise BundleRunnerError(f"the runner exited {result.return_code}: {detail}")

@@ -1,0 +1,107 @@
+"""Workflows that tests/test_bundle.py runs inside sandboxes from a rollout bundle.
+
+Each asks the policy through the rollout context (so its calls land in the relay trace) and
+returns its sample in one of the ways a workflow may.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from backends import (
+    AgentWorkflow,
+    AgentWorkflowContext,
+    AgentWorkflowOutput,
+    Grader,
+    GraderContext,
+    RolloutSample,
+    SampleSource,
+    get_rollout_context,
+)
+
+
+async def ask(ctx: AgentWorkflowContext[Any]) -> dict[str, Any]:
+    rollout = get_rollout_context()
+    assert rollout is not None and rollout.base_url
+    async with AsyncOpenAI(base_url=rollout.base_url, api_key=rollout.api_key or "none") as client:
+        reply = await client.chat.completions.create(model="policy", messages=ctx.prompt)  # type: ignore[arg-type]
+    return reply.choices[0].message.model_dump(exclude_none=True)
+
+
+class ReturnsOutput(AgentWorkflow):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> AgentWorkflowOutput:
+        reply = await ask(ctx)
+        assert ctx.artifacts_dir is not None
+        (ctx.artifacts_dir / "note.txt").write_text("written inside\n")
+        return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics={"shape": 1.0})
+
+
+class ReturnsList(AgentWorkflow):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> list[dict[str, Any]]:
+        return [*ctx.prompt, await ask(ctx)]
+
+
+class Conversation(SampleSource):
+    """A custom integration's sample source; it also claims a reward the host must ignore."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+
+    async def get_sample(self) -> RolloutSample:
+        return RolloutSample(messages=self.messages, reward=1.0, label="planted")
+
+
+class RegistersSource(AgentWorkflow):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> None:
+        source = Conversation()
+        rollout = get_rollout_context()
+        assert rollout is not None
+        rollout.set_sample_source(source)
+        source.messages = [*ctx.prompt, await ask(ctx)]
+
+
+class Raises(AgentWorkflow):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> None:
+        await ask(ctx)
+        raise ValueError("the workflow broke on purpose")
+
+
+class DiesWithoutOutput(AgentWorkflow):
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> None:
+        os._exit(0)  # no sample, no error: the host must not grade this
+
+
+class Snoops(AgentWorkflow):
+    """Searches the whole sandbox for canaries and tries the network; reports both."""
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> list[dict[str, Any]]:
+        found = subprocess.run(  # noqa: ASYNC221 - a test workflow, nothing else runs
+            "grep -rhoasE --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev "
+            "'CAN[A]RY-[0-9a-f]{32}' / | sort -u",
+            shell=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        found += [v for v in os.environ.values() if "CANARY-" in v]
+        try:
+            socket.create_connection(("1.1.1.1", 53), timeout=2).close()
+            network = "reached"
+        except OSError as exc:
+            network = f"unreachable: {exc}"
+        report = {
+            "role": "assistant",
+            "content": f"canaries={sorted(set(found))} network={network}",
+        }
+        return [*ctx.prompt, report]
+
+
+class NonEmptyAnswer(Grader):
+    async def grade(self, ctx: GraderContext) -> None:
+        assert ctx.sample is not None
+        content = ctx.sample.messages[-1].get("content") or ""
+        ctx.set_reward(0.5 if content and ctx.label == "expected" else 0.0)

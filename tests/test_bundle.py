@@ -1,0 +1,356 @@
+"""Rollout bundles: built once per content, installed offline once, run inside local sandboxes.
+
+The end-to-end tests run workflows through HarborBackend template mode behind a real relay
+with the embedded scripted policy, and compare with LocalBackend on the same dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends import (
+    ErrorCategory,
+    LocalBackend,
+    Relay,
+    RelayedBackend,
+    RolloutRequest,
+    RolloutResult,
+    RolloutStatus,
+    collect,
+)
+from backends.bundle import Bundle, BundleError, build_bundle
+from backends.bundle.agent import WorkflowPlan
+from backends.bundle.build import bundle_key
+from backends.bundle.models import RunnerInput, RunnerOutput
+from backends.harbor import HarborBackend
+from backends.relay.scripted import ScriptedPolicy
+from backends.rollout.dataset import requests_from_dataset
+from backends.rollout.sample import RolloutSample
+
+ROOT = Path(__file__).parents[1]
+ARITHMETIC = ROOT / "tasks" / "rollouts" / "arithmetic"
+PROJECT = Path(__file__).parent / "bundle_project"
+TEMPLATE = ROOT / "tasks" / "templates" / "workflow"
+PROMPT = [{"role": "user", "content": "What is 6 * 7?"}]
+GRADER = f"{PROJECT}/main.py:NonEmptyAnswer"
+
+
+def copy_project(tmp_path: Path, source: Path = PROJECT) -> Path:
+    target = tmp_path / "project"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+# -- building, on the host --------------------------------------------------------------------
+
+
+def test_same_inputs_same_key_any_change_a_new_one(tmp_path: Path) -> None:
+    project = copy_project(tmp_path)
+    key = bundle_key(project, python="3.12", platform="manylinux_2_36_x86_64")
+    assert key == bundle_key(project, python="3.12", platform="manylinux_2_36_x86_64")
+    assert key != bundle_key(project, python="3.13", platform="manylinux_2_36_x86_64")
+    assert key != bundle_key(project, python="3.12", platform="manylinux_2_28_aarch64")
+    (project / "__pycache__").mkdir()
+    (project / "__pycache__" / "main.cpython-312.pyc").write_bytes(b"not shipped")
+    assert key == bundle_key(project, python="3.12", platform="manylinux_2_36_x86_64")
+    (project / "helper.py").write_text("X = 1\n")
+    assert key != bundle_key(project, python="3.12", platform="manylinux_2_36_x86_64")
+
+
+def test_a_built_bundle_is_found_again_not_rebuilt() -> None:
+    first = build_bundle(ARITHMETIC, entrypoint="main.py:ArithmeticWorkflow")
+    stamp = (first.path / "manifest.json").stat().st_mtime_ns
+    again = build_bundle(ARITHMETIC, entrypoint="main.py:ArithmeticWorkflow")
+    assert again.path == first.path
+    assert (again.path / "manifest.json").stat().st_mtime_ns == stamp
+    manifest = again.manifest
+    assert manifest.python == "3.12" and manifest.platform == "manylinux_2_36_x86_64"
+    assert manifest.files == ["main.py", "pyproject.toml"]
+    names = {d.split("==")[0] for d in manifest.dependencies}
+    assert {"openai", "pydantic", "harbor"} <= names
+    wheels = sorted(p.name for p in again.wheels_dir.iterdir())
+    assert len(wheels) == len(manifest.dependencies)
+    # Native extensions are built for the sandbox's platform, not whatever the host is.
+    core = next(w for w in wheels if w.startswith("pydantic_core-"))
+    assert "cp312" in core and "manylinux" in core and "x86_64" in core
+
+
+def test_projects_that_cannot_ship_fail_before_any_sandbox(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "main.py").write_text("X = 1\n")
+    with pytest.raises(BundleError, match=r"has no pyproject\.toml"):
+        build_bundle(bare)
+
+    broken = copy_project(tmp_path)
+    (broken / "main.py").write_text("import definitely_missing_module_xyz\n")
+    with pytest.raises(BundleError, match=r"does not import.*definitely_missing_module_xyz"):
+        build_bundle(broken, entrypoint="main.py:Workflow")
+    (broken / "main.py").write_text("X = 1\n")
+    with pytest.raises(BundleError, match=r"does not import.*no attribute 'Workflow'"):
+        build_bundle(broken, entrypoint="main.py:Workflow")
+
+    impossible = copy_project(tmp_path / "x")
+    text = (impossible / "pyproject.toml").read_text()
+    (impossible / "pyproject.toml").write_text(text.replace('"openai>=1.50"', '"openai>=999"'))
+    root = tmp_path / "bundles"
+    with pytest.raises(BundleError, match=r"resolving the project's dependencies failed"):
+        build_bundle(impossible, root=root)
+    assert [p for p in root.iterdir() if p.name != "wheelhouse"] == []  # nothing half-built
+
+
+def test_harbor_backend_refuses_a_workflow_it_cannot_ship(tmp_path: Path) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "flow.py").write_text(
+        "from backends import AgentWorkflow\n"
+        "class Flow(AgentWorkflow):\n    async def run(self, ctx):\n        return []\n"
+    )
+    with pytest.raises(ValueError, match=r"no pyproject\.toml"):
+        HarborBackend(tasks_dir=TEMPLATE, agent=f"{loose}/flow.py:Flow", grader=GRADER)
+    with pytest.raises(ValueError, match="template mode"):
+        HarborBackend(
+            tasks_dir=ROOT / "tasks" / "harbor",
+            task_mode="dataset",
+            agent=f"{PROJECT}/main.py:ReturnsList",
+        )
+
+
+# -- what crosses the sandbox wall ------------------------------------------------------------
+
+
+def test_the_runner_input_has_no_place_for_the_label() -> None:
+    fields = {
+        "rollout_id": "r",
+        "project_dir": "/p",
+        "entrypoint": "main.py:W",
+        "prompt": PROMPT,
+    }
+    RunnerInput.model_validate(fields)
+    with pytest.raises(ValueError, match="label"):
+        RunnerInput.model_validate({**fields, "label": "42"})
+
+
+def _plan_with_output(tmp_path: Path, output: str | None) -> tuple[WorkflowPlan, Path]:
+    plan = WorkflowPlan(PROJECT, "main.py:ReturnsList", None)
+    trial = tmp_path / "trial"
+    (trial / "agent").mkdir(parents=True)
+    if output is not None:
+        (trial / "agent" / "runner_output.json").write_text(output)
+    return plan, trial
+
+
+def test_the_host_reads_back_only_what_it_should(tmp_path: Path) -> None:
+    sample = RolloutSample(messages=PROMPT, reward=1.0, label="planted")
+    good = RunnerOutput(status="success", sample=sample).model_dump_json()
+    plan, trial = _plan_with_output(tmp_path / "a", good)
+    collected = plan.collect(trial)
+    assert isinstance(collected, RolloutSample)
+    assert collected.reward is None and collected.label is None  # the host grades
+
+    plan, trial = _plan_with_output(tmp_path / "b", None)
+    failure = plan.collect(trial)
+    assert not isinstance(failure, RolloutSample)
+    assert failure.category is ErrorCategory.AGENT_ERROR and "no sample" in failure.message
+
+    # A symlink planted in the output's place is never followed to a host file.
+    secret = tmp_path / "host-secret.json"
+    secret.write_text(good)
+    plan, trial = _plan_with_output(tmp_path / "c", None)
+    (trial / "agent" / "runner_output.json").symlink_to(secret)
+    failure = plan.collect(trial)
+    assert not isinstance(failure, RolloutSample) and "unusable" in failure.message
+
+    plan, trial = _plan_with_output(tmp_path / "d", '{"status": "success", "reward": 1}')
+    failure = plan.collect(trial)
+    assert not isinstance(failure, RolloutSample) and "unusable" in failure.message
+
+
+# -- inside local sandboxes -------------------------------------------------------------------
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[Relay]:
+    async with (
+        ScriptedPolicy() as policy,
+        Relay(
+            upstream_url=policy.base_url,
+            upstream_api_key="upstream-key-never-in-a-sandbox",
+            unix_socket_path=tmp_path / "relay.sock",
+        ) as relay,
+    ):
+        yield relay
+
+
+def in_sandbox(
+    tmp_path: Path, workflow: str, project: Path = PROJECT, **kwargs: Any
+) -> HarborBackend:
+    kwargs.setdefault("grader", f"{project}/main.py:NonEmptyAnswer")
+    return HarborBackend(
+        tasks_dir=TEMPLATE,
+        agent=f"{project}/main.py:{workflow}",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+        **kwargs,
+    )
+
+
+async def run_one(relay: Relay, backend: HarborBackend, **kwargs: Any) -> RolloutResult:
+    kwargs.setdefault("label", "expected")
+    request = RolloutRequest(rollout_id=f"b-{uuid.uuid4().hex[:8]}", prompt=PROMPT, **kwargs)
+    return await RelayedBackend(backend, relay).execute(request)
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+@pytest.mark.parametrize("workflow", ["ReturnsOutput", "ReturnsList", "RegistersSource"])
+async def test_each_return_shape_gives_the_sample_inside(
+    tmp_path: Path, relay: Relay, workflow: str
+) -> None:
+    result = await run_one(relay, in_sandbox(tmp_path, workflow))
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.sample is not None
+    assert result.sample.messages[:1] == PROMPT
+    assert result.sample.messages[-1]["role"] == "assistant"
+    assert "42" in result.sample.messages[-1]["content"]
+    # The host's grader decided, not the reward the sample source claimed inside.
+    assert result.reward == 0.5 and result.sample.label == "expected"
+    assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
+    if workflow == "ReturnsOutput":
+        assert result.sample.metrics["shape"] == 1.0
+        stored = result.extra_fields["harbor"]["artifacts"]
+        assert "logs/artifacts/note.txt" in stored
+        assert (tmp_path / "out" / result.rollout_id / "artifacts" / "logs" / "artifacts" /
+                "note.txt").read_text() == "written inside\n"  # fmt: skip
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_raising_workflow_is_an_agent_error_with_its_traceback(
+    tmp_path: Path, relay: Relay
+) -> None:
+    result = await run_one(relay, in_sandbox(tmp_path, "Raises"))
+    assert result.status is RolloutStatus.FAILURE and result.reward is None
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.AGENT_ERROR
+    assert "ValueError: the workflow broke on purpose" in result.failure.message
+    assert "Traceback (most recent call last)" in result.failure.message
+    assert 'main.py", line' in result.failure.message
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_missing_sample_is_a_failure_never_reward_0(tmp_path: Path, relay: Relay) -> None:
+    result = await run_one(relay, in_sandbox(tmp_path, "DiesWithoutOutput"))
+    assert result.status is RolloutStatus.FAILURE and result.reward is None
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.AGENT_ERROR
+    assert "no sample" in result.failure.message
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_the_label_is_nowhere_in_the_sandbox_and_there_is_no_network(
+    tmp_path: Path, relay: Relay
+) -> None:
+    label = "CANARY-" + uuid.uuid4().hex
+    planted = "CANARY-" + uuid.uuid4().hex  # in the metadata, which does enter: proves the search
+    result = await run_one(
+        relay, in_sandbox(tmp_path, "Snoops"), label=label, metadata={"note": planted}
+    )
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.sample is not None
+    report = result.sample.messages[-1]["content"]
+    assert planted in report
+    assert label not in report
+    assert "network=unreachable" in report
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_an_unrelayed_request_is_refused_the_upstream_key_never_enters(
+    tmp_path: Path,
+) -> None:
+    backend = in_sandbox(tmp_path, "ReturnsList")
+    request = RolloutRequest(
+        rollout_id="direct",
+        prompt=PROMPT,
+        label="expected",
+        chat_completions_url="http://127.0.0.1:9/v1",
+        api_key="upstream-key",
+    )
+    result = await backend.execute(request)
+    assert result.failure is not None
+    assert result.failure.category is ErrorCategory.VALIDATION_ERROR
+    assert "no relay route" in result.failure.message
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_arithmetic_in_sandboxes_matches_local_backend_row_by_row(
+    tmp_path: Path, relay: Relay
+) -> None:
+    requests = requests_from_dataset(ROOT / "tasks" / "data" / "arithmetic.jsonl")
+    local = LocalBackend(
+        workflow=f"{ARITHMETIC}/main.py:ArithmeticWorkflow",
+        grader=f"{ARITHMETIC}/main.py:ExactAnswerGrader",
+        artifacts_root=None,
+    )
+    sandboxed = in_sandbox(
+        tmp_path,
+        "ArithmeticWorkflow",
+        ARITHMETIC,
+        grader=f"{ARITHMETIC}/main.py:ExactAnswerGrader",
+        max_concurrent=4,
+    )
+    in_process = await collect(RelayedBackend(local, relay), requests)
+    inside = await collect(RelayedBackend(sandboxed, relay), requests)
+    by_id = {r.rollout_id: r for r in in_process}
+    assert len(inside) == len(requests) == len(by_id)
+    for result in inside:
+        twin = by_id[result.rollout_id]
+        assert result.status is RolloutStatus.SUCCESS, result.failure
+        assert (result.reward, result.sample and result.sample.messages) == (
+            twin.reward,
+            twin.sample and twin.sample.messages,
+        ), result.rollout_id
+        assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
+    assert {r.reward for r in inside} <= {0.0, 1.0}
+
+
+def test_a_bundle_opens_from_its_folder(tmp_path: Path) -> None:
+    built = build_bundle(ARITHMETIC)
+    assert Bundle.open(built.path).key == built.key
+    with pytest.raises(BundleError, match="not a built bundle"):
+        Bundle.open(tmp_path)
+    assert json.loads((built.path / "manifest.json").read_text())["key"] == built.key
+    assert os.access(built.project_dir / "main.py", os.R_OK)
+
+
+def test_cli_builds_and_inspects_a_bundle(tmp_path: Path) -> None:
+    cli = [str(Path(sys.executable).parent / "backends"), "bundle"]
+    built = subprocess.run(
+        [*cli, "build", str(ARITHMETIC), "--entrypoint", "main.py:ArithmeticWorkflow", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    manifest = json.loads(built.stdout)
+    assert manifest["name"] == "arithmetic-rollout" and manifest["size_bytes"] > 0
+    for ref in (manifest["key"], manifest["path"]):
+        shown = subprocess.run([*cli, "inspect", ref], capture_output=True, text=True, check=True)
+        assert manifest["key"] in shown.stdout and "openai==" in shown.stdout
+    refused = subprocess.run([*cli, "build", str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "has no pyproject.toml" in refused.stderr
+    missing = subprocess.run([*cli, "inspect", "nope"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "not a built bundle" in missing.stderr
