@@ -216,6 +216,9 @@ def test_large_prompts_store_each_token_id_list_once(tmp_path: Path) -> None:
     # The prompt text three times (messages, trajectory, the trace's request), its ids once
     # ("97, " each): proportional, with nothing stored twice.
     assert len(line) < 8 * size
+    # trajectory.json too: written compact when large (indented, each id took a line).
+    (trajectory,) = only_run(tmp_path).glob("rollouts/*/trajectory.json")
+    assert trajectory.stat().st_size < 8 * size
 
 
 def test_a_workflow_blocking_the_event_loop_is_named_and_others_do_not_time_out(

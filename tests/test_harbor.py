@@ -457,3 +457,15 @@ async def test_artifacts_nested_past_path_max_are_dropped_not_fatal(tmp_path: Pa
     assert result.reward == 1.0
     assert "logs/artifacts/kept.txt" in result.extra_fields["harbor"]["artifacts"]
     assert list((tmp_path / "trials").iterdir()) == []  # the successful trial is removed
+
+
+async def test_an_oversized_reward_file_is_a_verifier_error_not_infrastructure(
+    tmp_path: Path,
+) -> None:
+    """The download refuses a 2 MiB reward.txt; a fresh sandbox would make it again."""
+    write_task(tmp_path / "tasks", "big", test="head -c 2M /dev/zero > /logs/verifier/reward.txt")
+    b = backend(tmp_path, tasks_dir=tmp_path / "tasks")
+    [result] = await collect(b, [request("big", "big")])
+    assert result.failure is not None, result
+    assert result.failure.category == "verifier_error" and not result.failure.retryable
+    assert result.reward is None

@@ -9,6 +9,7 @@ An infrastructure failure is retryable and never becomes a reward.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from harbor.models.trial.error_policy import FailureCause
@@ -25,6 +26,9 @@ _SANDBOX_INFRA = frozenset(
 _SANDBOX_INVALID = frozenset(
     {"UnsupportedTaskError", "ImageError", "BaseImageNotFoundError", "UnsupportedInstructionError"}
 )
+# A download the local sandbox refused for what it held (past a size limit): the agent's or
+# the tests' own output, which a fresh sandbox would produce again, so never infrastructure.
+_REFUSED_DOWNLOAD = re.compile(r"^backends\.sandbox\.unpack\.DownloadTooLargeError:", re.M)
 _TIMEOUTS = frozenset({"AgentTimeoutError", "VerifierTimeoutError", "ExecTimeoutError"})
 
 _CAUSE_CATEGORY = {
@@ -89,6 +93,11 @@ def _classify(result: TrialResult, info: ExceptionInfo) -> tuple[RolloutFailure,
     policy = info.policy
     if name in _SANDBOX_INVALID:
         category, retry = ErrorCategory.VALIDATION_ERROR, False
+    elif _REFUSED_DOWNLOAD.search(info.exception_traceback or ""):
+        category = (
+            ErrorCategory.VERIFIER_ERROR if stage == "verifier" else ErrorCategory.AGENT_ERROR
+        )
+        retry = False
     elif name in _SANDBOX_INFRA or policy.cause is FailureCause.SANDBOX_FAILED:
         category, retry = ErrorCategory.INFRA_ERROR, True
     elif name in _TIMEOUTS:

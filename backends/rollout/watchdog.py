@@ -187,17 +187,22 @@ class LoopWatchdog:
         self._timer = self.loop.call_at(self._due, self._beat)
 
     def catch_up(self) -> None:
-        """Settle a block the heartbeat has not seen yet (the loop is still in it)."""
+        """Settle a block the heartbeat has not seen yet. Called on the loop by a rollout's
+        own code: if the loop is late, nothing else ran since, so that code blocked it."""
         if self._timer is not None and self.loop.time() - self._due > self.threshold_sec:
             self._timer.cancel()
-            self._beat()
+            self._beat(_current.get())
 
-    def _beat(self) -> None:
+    def _beat(self, running: Watch | None = None) -> None:
         now = self.loop.time()
         lag = now - self._due
         if lag > self.threshold_sec:
             suspect = self._suspect
-            self._settle(lag, suspect if suspect and suspect.beat == self._beats else None)
+            if suspect is None or suspect.beat != self._beats:
+                suspect = None
+            if running is not None and (suspect is None or suspect.watch is not running):
+                suspect = _Suspect(self._beats, running, "unknown")
+            self._settle(lag, suspect)
         self._beats += 1
         if self._watches:
             self._schedule(now)
@@ -211,7 +216,8 @@ class LoopWatchdog:
             culprit.blocked_sec += lag
             if place not in culprit.places and len(culprit.places) < _MAX_PLACES:
                 culprit.places.append(place)
-        innocent = [w for w in self._watches if w is not culprit]
+        # With no culprit seen, nobody is credited: whoever blocked might be among them.
+        innocent = [w for w in self._watches if w is not culprit] if suspect else []
         for watch in innocent:
             watch._credit(lag)
         if culprit is not None:

@@ -97,8 +97,12 @@ class Redactor:
                 for key, item in obj.items()
             }
         if isinstance(obj, list | tuple):
-            return [self.value(item) for item in obj]
+            # Numbers pass without a call: a long prompt's token ids are millions of them.
+            return [item if type(item) in _SCALARS else self.value(item) for item in obj]
         return obj
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def redact_text(value: str, secrets: Iterable[str | None] = ()) -> str:

@@ -31,6 +31,9 @@ from backends.trajectory.redact import Redactor
 log = logging.getLogger(__name__)
 
 TRAJECTORY_FILE = "trajectory.json"
+# Larger trajectories (a long prompt's token ids) are written compact: indenting millions of
+# ids one per line took seconds and tripled the file.
+INDENT_BELOW_CHARS = 1_000_000
 
 
 def trajectory_of(
@@ -84,7 +87,9 @@ def save_trajectory(
             path.unlink(missing_ok=True)
             return None
         doc = Redactor(secrets).value(trajectory.to_json_dict())
-        text = json.dumps(doc, indent=2, ensure_ascii=False, default=str)
+        text = json.dumps(doc, ensure_ascii=False, default=str)
+        if len(text) < INDENT_BELOW_CHARS:  # indented for reading; json indents only in Python
+            text = json.dumps(doc, indent=2, ensure_ascii=False, default=str)
         write_atomic(path, utf8_json_text(text)[1])
         return path
     except Exception as exc:  # best effort by contract: the result matters, the file does not
