@@ -674,3 +674,25 @@ async def test_no_machinery_fd_reaches_pid_1_or_commands(env: BaseEnvironment) -
     pid1, own = res.stdout.split("-\n")
     assert pid1.split() == ["0", "1", "2"], res.stdout
     assert own.split() == ["0", "1", "2", "3"], res.stdout
+
+
+def test_uid_ranges_are_host_wide_whatever_the_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Host uids are host-wide: a process with a cache of its own must not lease a held range."""
+    import subprocess
+    import sys
+
+    from backends.sandbox import uids
+
+    monkeypatch.setenv("BACKENDS_SANDBOX_UID_RANGES", "1")
+    mine = uids.lease()
+    try:
+        code = "from backends.sandbox import uids; print(uids.lease().base)"
+        env = {**os.environ, "BACKENDS_CACHE": str(tmp_path / "another-cache")}
+        other = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True
+        )
+        assert other.returncode != 0 and "in use" in other.stderr, other.stdout
+    finally:
+        mine.release()

@@ -53,6 +53,17 @@ def images_dir() -> Path:
     return _REPO_ROOT / "sandbox_images"
 
 
+def uid_lock_dir() -> Path:
+    """Where uid-range leases are locked: host-wide, since host uids are.
+
+    Two caches on one host (two users' BACKENDS_CACHE, CI beside a developer) must not lease
+    the same range; /run is also emptied at boot, when no lease can still be held.
+    """
+    if env := os.environ.get("BACKENDS_UID_LOCKS"):
+        return Path(env)
+    return Path("/run/backends/uid-ranges") if os.geteuid() == 0 else cache_dir() / "uid-ranges"
+
+
 def run_dir() -> Path:
     """Per-sandbox scratch state (overlay upper dirs, owner records)."""
     return cache_dir() / "run"

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from backends.sandbox.errors import SandboxStartError
-from backends.sandbox.settings import UID_COUNT, cache_dir, private_dir, sandbox_uid_ranges
+from backends.sandbox.settings import UID_COUNT, private_dir, sandbox_uid_ranges, uid_lock_dir
 
 # Each process starts its search at a home of its own and takes the first free range from
 # there: processes rarely collide, and one reuses the few ranges it had (the spawner keeps
@@ -41,7 +41,7 @@ def lease() -> Lease:
         SandboxStartError: every range is in use (that many sandboxes run on this host).
     """
     base, count = sandbox_uid_ranges()
-    locks = private_dir(cache_dir() / "uid-ranges")
+    locks = private_dir(uid_lock_dir())
     start = os.getpid() * _HOME_STRIDE
     for i in range(count):
         k = (start + i) % count
