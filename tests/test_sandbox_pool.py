@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from backends.sandbox.cgroups import SandboxCgroup
@@ -60,3 +61,22 @@ def test_pool_entries_survive_reaping_and_go_at_exit(tmp_path: Path) -> None:
         owner.stdin.close()
         assert owner.wait(30) == 0
     assert [x for n in names for x in _leftovers(n)] == []
+
+
+@pytest.mark.anyio
+async def test_a_collector_with_another_cache_leaves_our_sandboxes_alone(tmp_path: Path) -> None:
+    """Cgroups are host-wide; owner records are per cache. A reaper running with another
+    BACKENDS_CACHE took every live sandbox of ours for an orphan and removed its cgroup."""
+    from backends.sandbox.contract import PROVIDERS
+
+    env = PROVIDERS[0].make(tmp_path / "trial")
+    await env.start(force_build=False)
+    try:
+        other = {**os.environ, "BACKENDS_CACHE": str(tmp_path / "another-cache")}
+        code = "from backends.sandbox.runtime import reap_orphans; print(reap_orphans())"
+        reaped = await anyio.run_process([sys.executable, "-c", code], env=other)
+        assert reaped.stdout.decode().strip() == "[]", reaped.stdout
+        result = await env.exec("echo alive")
+        assert result.stdout == "alive\n", result
+    finally:
+        await env.stop(delete=True)

@@ -11,6 +11,7 @@ own mount namespace, and `reap_orphans()` removes the rest on the next start.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import itertools
 import logging
 import os
@@ -82,7 +83,7 @@ class SandboxSpec:
 class BwrapSandbox:
     def __init__(self, spec: SandboxSpec, name: str | None = None) -> None:
         self.spec = spec
-        self.name = name or f"sbx-{uuid.uuid4().hex[:12]}"
+        self.name = name or new_sandbox_name()
         self.label = self.name  # for messages: a pooled entry's name replaces `name` at start
         self._dir: Path | None = None
         self._cgroup: cgroups.SandboxCgroup | None = None
@@ -438,7 +439,7 @@ class _Pool:
                 with self._lock:
                     if self._closed or len(self._ready.get(key, ())) >= POOL_SIZE:
                         return
-                name = f"sbx-{uuid.uuid4().hex[:12]}"
+                name = new_sandbox_name()
                 directory, cgroup = run_dir() / name, cgroups.SandboxCgroup(name)
                 try:
                     _prepare_dir(directory, cgroup, key)
@@ -727,6 +728,21 @@ def _owner_alive(record: str) -> bool:
     return _start_time(int(pid_s)) == start
 
 
+def new_sandbox_name() -> str:
+    """A fresh sandbox name, tagged with this cache (see `sandbox_prefix`)."""
+    return f"{sandbox_prefix()}{uuid.uuid4().hex[:12]}"
+
+
+def sandbox_prefix() -> str:
+    """What names of sandboxes owned through this cache start with.
+
+    Cgroups are host-wide but owner records live in the cache: a collector must never take
+    another cache's sandboxes (CI beside a developer, two users) for orphans.
+    """
+    tag = hashlib.sha256(str(cache_dir().resolve()).encode()).hexdigest()[:6]
+    return f"sbx-{tag}-"
+
+
 def reap_orphans() -> list[str]:
     """Remove sandboxes whose owning process died: processes, cgroups, scratch dirs.
 
@@ -734,7 +750,7 @@ def reap_orphans() -> list[str]:
     """
     removed: list[str] = []
     base = run_dir()
-    names = set(cgroups.stale_groups())
+    names = {n for n in cgroups.stale_groups() if n.startswith(sandbox_prefix())}
     if base.is_dir():
         names.update(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
         trash = base / TRASH
