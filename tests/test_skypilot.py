@@ -56,7 +56,7 @@ def test_a_broken_sdk_is_not_reported_as_missing(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "sky_sandbox", raising=False)
     try:
-        with pytest.raises(HostPrerequisiteError, match="failed to import.*bad ~/.sky"):
+        with pytest.raises(HostPrerequisiteError, match=r"failed to import.*bad ~/\.sky"):
             skysdk.load()
     finally:
         sys.modules.pop("sky_sandbox", None)
@@ -75,7 +75,7 @@ def test_names_are_dns_safe_short_and_keep_the_run_prefix() -> None:
 async def test_blocked_network_and_a_relay_url_is_refused_at_creation(
     tmp_path: Path, fake_sky: dict[str, str]
 ) -> None:
-    with pytest.raises(SandboxStartError, match="cannot reach the relay at http://10.0.0.1:9"):
+    with pytest.raises(SandboxStartError, match=r"cannot reach the relay at http://10\.0\.0\.1:9"):
         SKY.make(tmp_path, kwargs={"relay_url": "http://10.0.0.1:9", "network": "none"})
     SKY.make(tmp_path, kwargs={"relay_url": "http://10.0.0.1:9", "network": "public"})
 
