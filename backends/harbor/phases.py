@@ -88,6 +88,7 @@ class TrialSettings:
     sink: ArtifactSink
     retention: Retention
     local_sandbox: bool
+    remote_sandbox: bool = False  # a SkyPilot pod: told the relay's advertised URL
     workflow: WorkflowPlan | None = None  # agent=<AgentWorkflow>, run from its bundle
     end_agent_processes: bool = True
     active_trials: set[str] = field(default_factory=set)
@@ -329,7 +330,7 @@ class TrialPhases(RolloutPhases):
         if settings.agent.calls_model and route.base_url is not None:
             model = model or DEFAULT_MODEL
             if issubclass(settings.agent_class(), BaseInstalledAgent):
-                env = _sandbox_environment(route, environment, settings.local_sandbox)
+                env = _sandbox_environment(route, environment, settings)
             elif settings.agent.name == "terminus-2":
                 # Host-side LiteLLM: the relay's host URL, the rollout's token as its key
                 # (scrubbed from the trial's files in finalize).
@@ -391,7 +392,7 @@ class TrialPhases(RolloutPhases):
 
 
 def _sandbox_environment(
-    route: PolicyRoute, environment: EnvironmentConfig, local: bool
+    route: PolicyRoute, environment: EnvironmentConfig, settings: TrialSettings
 ) -> dict[str, str]:
     """Environment variables for an agent installed in the sandbox: the relay route only.
 
@@ -399,10 +400,12 @@ def _sandbox_environment(
     127.0.0.1; other sandboxes through the relay's advertised URL. Raises
     ``RolloutValidationError`` for a route without a relay (the upstream key stays out).
     """
-    if local:
+    if settings.local_sandbox:
         base = route.sandbox_base_url(forwarder_port=RELAY_PORT)
         environment.kwargs["relay_socket"] = str(route.relay_socket)
         environment.kwargs["relay_port"] = RELAY_PORT
     else:
         base = route.sandbox_base_url()
+        if settings.remote_sandbox:  # it refuses to start where it cannot reach the relay
+            environment.kwargs["relay_url"] = base
     return route.environment(base)

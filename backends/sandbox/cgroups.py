@@ -296,9 +296,11 @@ def _wait_empty(group: Path, timeout: float) -> None:
 
 
 def _rmtree_cgroup(d: Path, attempts: int = 200) -> None:
-    if not d.exists():
+    try:
+        children = [c for c in d.iterdir() if c.is_dir()]
+    except FileNotFoundError:  # gone already: another process reaping the same orphan
         return
-    for child in [c for c in d.iterdir() if c.is_dir()]:
+    for child in children:
         _rmtree_cgroup(child, attempts)
     for _ in range(attempts):
         try:

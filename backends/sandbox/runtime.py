@@ -776,3 +776,17 @@ def reap_orphans() -> list[str]:
     if removed:
         log.warning("removed %d orphaned sandbox(es): %s", len(removed), ", ".join(removed))
     return removed
+
+
+def list_sandboxes() -> list[tuple[str, bool]]:
+    """This cache's sandboxes on the host as (name, whether its owning process is alive)."""
+    base = run_dir()
+    found = []
+    for path in sorted(base.iterdir()) if base.is_dir() else []:
+        if path.is_dir() and path.name.startswith(sandbox_prefix()):
+            try:
+                alive = _owner_alive((path / "owner").read_text())
+            except FileNotFoundError:
+                alive = True  # being created right now (its owner record comes first)
+            found.append((path.name, alive))
+    return found

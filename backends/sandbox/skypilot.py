@@ -239,6 +239,13 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         workdir = effective_exec_cwd(cwd, self.task_env_config.workdir, self._workdir)
         return await self._run(argv, workdir, self._merge_env(env), timeout_sec)
 
+    def _exec_argv(self, command: str, user: str | int | None) -> list[str]:
+        # Pods exec as root: no `su` for root, whose process would be one more to survive
+        # a `kill -1` of the command's own.
+        if user in ("root", 0):
+            user = None
+        return super()._exec_argv(command, user)
+
     async def _run_shell(self, command: str, *, timeout_seconds: int) -> ExecResult:
         return await self._run(["sh", "-c", command], None, None, timeout_seconds)
 
@@ -400,6 +407,16 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         )
 
 
+def reap_dead_runs() -> list[str]:
+    """Check the SDK and API server, then terminate the sandboxes of runs whose owner died.
+
+    Raises ``HostPrerequisiteError`` naming what is missing.
+    """
+    sdk = skysdk.load()
+    skysdk.require_api_server()
+    return skyruns.reap(sdk)
+
+
 def _unpack(archive: BinaryIO, dest: Path, limit: int, single: str | None) -> None:
     unpack.into(archive, dest, max_bytes=limit, rename_single=single)
 
@@ -450,4 +467,4 @@ def image_builder() -> str:
     )
 
 
-__all__ = ["SkyPilotSandbox", "image_builder"]
+__all__ = ["SkyPilotSandbox", "image_builder", "reap_dead_runs"]

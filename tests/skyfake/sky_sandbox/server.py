@@ -137,7 +137,7 @@ class FakeServer:
     async def _run(self, pod: Pod, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
         try:
             res = await pod.env.exec(
-                shlex.join(body["argv"]),
+                "exec " + shlex.join(body["argv"]),  # argv as the pod's own process, no shell
                 cwd=body.get("workdir"),
                 env=body.get("env") or None,
                 timeout_sec=body["timeout"],
