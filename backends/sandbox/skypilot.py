@@ -101,6 +101,7 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         **kwargs: Any,
     ) -> None:
         self._max_output = int(max_output_bytes)
+        self._stopping = False
         if network not in (None, "public", "none", "no-network"):
             raise ValueError(f"network must be 'public' or 'none', not {network!r}")
         self._network_override = network
@@ -163,6 +164,8 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         async for try_ in retrying:
             with try_:
                 attempt += 1
+                skyruns.counters["creates"] += 1
+                skyruns.counters["create_retries"] += attempt > 1
                 name = skyruns.sandbox_name(self.run, self.session_id, retry=attempt)
                 async with skyruns.admission(self._max_creates):
                     if self._jitter:
@@ -182,6 +185,7 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
 
     async def stop(self, delete: bool) -> None:
         if self._sandbox is not None:
+            self._stopping = True  # commands cut short from here on are not results
             with anyio.CancelScope(shield=True):
                 await super().stop(delete)
             self.run.live.discard(self._sandbox_name)
@@ -275,11 +279,15 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             finished = True
         except TimeoutError:
             raise ExecTimeoutError(f"command timed out after {budget} s (no answer)") from None
+        except Exception as exc:
+            if self._stopping or self._sandbox is not sandbox:
+                raise SandboxNotRunningError("the sandbox was stopped while the command ran") from exc
+            raise
         finally:
-            if not finished or loop.time() - started >= budget:
+            if not self._stopping and (not finished or loop.time() - started >= budget):
                 with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_SEC):
                     await self._kill_tagged(tag)
-        if self._sandbox is not sandbox:
+        if self._stopping or self._sandbox is not sandbox:
             raise SandboxNotRunningError("the sandbox was stopped while the command ran")
         if code != 0 and loop.time() - started >= budget:
             capped = " (the server's cap)" if (timeout_sec or 0) > MAX_TIMEOUT_SEC else ""

@@ -78,6 +78,9 @@ class Run:
 
 _current: Run | None = None
 
+# This process's sandbox creations: attempts, and retries of transient failures among them.
+counters = {"creates": 0, "create_retries": 0}
+
 
 def current() -> Run:
     global _current
