@@ -43,7 +43,7 @@ from backends.harbor.files import ArtifactSink, Retention, drop_unreachable, scr
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
-from backends.harbor.trial import run_to_end
+from backends.harbor.trial import forget_loggers, hold_no_log_file, run_to_end
 from backends.rollout.errors import RolloutError, RolloutFailure, RolloutValidationError, describe
 from backends.rollout.inflight import Tracked
 from backends.rollout.phases import RolloutPhases
@@ -195,6 +195,7 @@ class TrialPhases(RolloutPhases):
         try:
             config = self._trial_config()
             self.trial = await Trial.create(config)
+            hold_no_log_file(self.trial)
         except RolloutValidationError:
             raise
         except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task
@@ -281,6 +282,8 @@ class TrialPhases(RolloutPhases):
         self.succeeded = sample.reward is not None or sample.remove_sample
 
     async def finalize(self) -> None:
+        if self.trial is not None:
+            forget_loggers(self.trial)
         secrets = [self.request.api_key, self.route.api_key]
         stored = await anyio.to_thread.run_sync(self._finish_files, secrets)
         self.extra_fields.setdefault("harbor", {})["artifacts"] = stored

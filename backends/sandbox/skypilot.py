@@ -281,7 +281,9 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             raise ExecTimeoutError(f"command timed out after {budget} s (no answer)") from None
         except Exception as exc:
             if self._stopping or self._sandbox is not sandbox:
-                raise SandboxNotRunningError("the sandbox was stopped while the command ran") from exc
+                raise SandboxNotRunningError(
+                    "the sandbox was stopped while the command ran"
+                ) from exc
             raise
         finally:
             if not self._stopping and (not finished or loop.time() - started >= budget):

@@ -261,9 +261,7 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
     async def collect(w: int) -> None:
         for rid in [r for r in ids[w::connections] if r in leases]:
             while True:
-                _, reply = await call(
-                    conns[w], "GET", f"/rollout/{rid}/result", lease=leases[rid]
-                )
+                _, reply = await call(conns[w], "GET", f"/rollout/{rid}/result", lease=leases[rid])
                 if reply and reply.get("status") in ("success", "failure", "cancelled"):
                     results[rid] = reply
                     break
