@@ -83,3 +83,8 @@ async def test_many_rollouts_leave_nothing_behind(
     assert engine.boxes == {} and engine.counters.peak_live > n // 2
     assert max(held) == 0
     assert len(logging.Logger.manager.loggerDict) - loggers < n
+    # The real SDK's .aio runs its sync client on the loop's default executor: widened.
+    import asyncio
+
+    executor = asyncio.get_running_loop()._default_executor  # type: ignore[attr-defined]
+    assert executor is not None and executor._max_workers >= 256

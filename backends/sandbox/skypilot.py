@@ -33,6 +33,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -76,6 +77,9 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
     - ``create_attempts``: tries for a create that fails for a transient reason (default 4);
     - ``admission_jitter_sec``: each create waits a random time up to this first (0.05 s);
     - ``max_download_bytes``: the most one download may bring back (default 4 GiB);
+    - ``sdk_threads``: the event loop's default executor is widened to this many threads (256):
+      the SDK's ``.aio`` calls run its sync client there, one thread per call in flight, and
+      the default (cores + 4) would let only a handful of commands run at once;
     - ``max_output_bytes``: output an ``exec`` keeps per stream (default 64 MiB), the rest
       dropped and said at the end of its stderr;
     - ``network``: ``"public"`` or ``"none"``, over the task's; without either the sandbox
@@ -98,9 +102,11 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         relay_url: str | None = None,
         network: str | None = None,
         max_output_bytes: int | str = 64 * 1024 * 1024,
+        sdk_threads: int | str = 256,
         **kwargs: Any,
     ) -> None:
         self._max_output = int(max_output_bytes)
+        self._sdk_threads = int(sdk_threads)
         self._stopping = False
         if network not in (None, "public", "none", "no-network"):
             raise ValueError(f"network must be 'public' or 'none', not {network!r}")
@@ -154,6 +160,7 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
 
     async def _create_sandbox(self, image: str | None) -> Any:
         self.run.register()
+        _widen_default_executor(self._sdk_threads)
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(self._create_attempts),
             wait=tenacity.wait_random_exponential(multiplier=0.5, max=10),
@@ -414,6 +421,15 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             f"-C {shlex.quote(source)} .",
             source,
             lambda archive: _unpack(archive, target, self._max_download, None),
+        )
+
+
+def _widen_default_executor(threads: int) -> None:
+    loop = asyncio.get_running_loop()
+    current = getattr(loop, "_default_executor", None)
+    if current is None or getattr(current, "_max_workers", 0) < threads:
+        loop.set_default_executor(
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sky-sdk")
         )
 
 
