@@ -170,7 +170,7 @@ class BwrapSandbox:
             disk=self.dir / disk.IMAGE if self._disk_limited() else None,
             # Every sandbox mounts its overlay here, each in its own private mount namespace.
             merged=_shared_mount_point(),
-            cgroup_procs=self.cgroup.procs_files(),
+            cgroup=self.cgroup.join(),
             teardown=self.cgroup.teardown_request(),
             network=self.spec.network,
             resolv_conf=network.resolv_conf() if self.spec.network else "/etc/resolv.conf",
@@ -316,7 +316,7 @@ class BwrapSandbox:
                     argv,
                     env=full_env,
                     fds=(in_r, out_w, err_w),
-                    cgroup_procs=self.cgroup.procs_files(group),
+                    cgroup=self.cgroup.join(group),
                     enter={"uid": user.uid, "gid": user.gid, "groups": [user.gid, *user.groups]},
                     enter_pidfd=booted.init_fd,
                 )
