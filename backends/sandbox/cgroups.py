@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,7 @@ class SandboxCgroup:
     def __init__(self, name: str, lay: Layout | None = None) -> None:
         self.name = name
         self.layout = lay or layout()
+        self._path = f"/{GROUP}/{name}"  # as /proc/PID/cgroup shows its groups
         self._dirs: list[Path] = []
         self.v2_dir: Path | None = None
         # Plain strings: these run on every start and exec, where pathlib's cost shows.
@@ -278,6 +280,52 @@ class SandboxCgroup:
 
     def members(self) -> list[int]:
         return [p for d in self._dirs for p in _members(d)]
+
+    async def kill_all_but(self, keep: Collection[int], limit_sec: float = KILL_WAIT_SEC) -> bool:
+        """SIGKILL every process of the sandbox but the pids `keep`; True once they are gone.
+
+        Every v2 exec group goes whole (cgroup.kill: a fork loop cannot outrun it); any other
+        member (where there is no cgroup.kill, or one forked by a hijacked pid 1 into its
+        group) is signalled through a pidfd, only after checking that the pid it holds is
+        still a member, so a number reused by a host process is never hit.
+        """
+        home = self.v2_dir / "init" if self.v2_dir is not None else None
+        deadline = time.monotonic() + limit_sec
+        while True:
+            left = False
+            if self.v2_dir is not None and self.layout.can_kill_tree:
+                for group in self.v2_dir.iterdir():
+                    if group.is_dir() and group != home and not _empty(group):
+                        left = True
+                        with contextlib.suppress(FileNotFoundError):
+                            _write(group / "cgroup.kill", "1")
+            for pid in set(self.members()) - set(keep):
+                left = True
+                self._kill_member(pid)
+            if not left:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await anyio.sleep(0.001)
+
+    def _kill_member(self, pid: int) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:  # read after the pidfd pinned the process
+                ours = any(
+                    line.split(":", 2)[-1].rstrip("/") == self._path
+                    or line.split(":", 2)[-1].startswith(self._path + "/")
+                    for line in f.read().splitlines()
+                )
+            if ours:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # gone meanwhile
+        finally:
+            os.close(pidfd)
 
     def remove(self) -> None:
         """Kill what is left, then remove the groups (children first)."""

@@ -231,6 +231,20 @@ class BwrapSandbox:
         self.cgroup.remove()
         _discard(self.dir)
 
+    async def end_processes(self) -> bool:
+        """SIGKILL every process of the sandbox but its pid 1, as `kill -KILL -1` by root
+        inside would, daemons included; True once they are gone (False: some survived).
+
+        Done from the host: it costs no command in the sandbox.
+
+        Raises:
+            SandboxNotRunningError: not started, stopped, or the sandbox died.
+        """
+        booted = self._booted
+        if booted is None or not booted.alive():
+            raise SandboxNotRunningError(f"sandbox {self.label} is not running")
+        return await self.cgroup.kill_all_but({booted.process.pid, booted.init_pid})
+
     async def resolve_user(self, user: str | int | None) -> User:
         """uid, gid and home of a user of this sandbox (looked up inside, then cached)."""
         key: str | int = 0 if user is None else user
