@@ -280,3 +280,46 @@ async def test_end_processes_never_signals_a_host_process(tmp_path: Path) -> Non
     finally:
         host.kill()
         await host.wait()
+
+
+REFUSE_CLONE3 = """
+import errno, os, sys
+import pyseccomp
+only_clone3 = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+only_clone3.set_attr(pyseccomp.Attr.CTL_NNP, 0)  # root: no no_new_privs needed
+only_clone3.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+only_clone3.load()
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+async def test_where_clone3_is_refused_commands_still_start_in_their_cgroups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container runtime's filter (or an old kernel) may refuse clone3: the spawner then
+    forks and the child moves itself into its cgroup, the slow way, before it can fork."""
+    import sys
+
+    from backends.sandbox import launcher
+
+    (tmp_path / "refuse.py").write_text(REFUSE_CLONE3)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {tmp_path}/refuse.py {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(launcher.sys, "executable", str(wrapper))
+    monkeypatch.setattr(launcher, "_spawner", None)  # a spawner of its own, under the filter
+    env = LOCAL.make(tmp_path, memory_mb=256)
+    await env.start(force_build=False)
+    try:
+        box = env._box  # type: ignore[attr-defined]
+        res = await env.exec("cat /proc/self/cgroup; sleep 5 & cat /proc/$!/cgroup; kill $!")
+        zygote = launcher.spawner().proc.pid
+        status = Path(f"/proc/{zygote}/status").read_text()  # noqa: ASYNC240
+        assert "Seccomp:\t2" in status  # the spawner did run under the filter
+    finally:
+        await env.stop(delete=True)
+        launcher.spawner().sock.close()  # ends that spawner
+    lines = res.stdout.split()
+    assert lines.count(f"0::/backends/{box.name}/x0") == 2, res
