@@ -52,6 +52,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
+from backends.sandbox.local import LocalSandbox
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +223,15 @@ class TrialPhases(RolloutPhases):
             is not VerifierEnvironmentMode.SEPARATE
         ):
             # A daemon the agent left could rewrite the reward the tests write, or the tests.
-            result = await self.trial.agent_environment.exec(
-                _END_AGENT_PROCESSES, user="root", timeout_sec=30
-            )
-            if result.return_code != 0:
+            environment = self.trial.agent_environment
+            if isinstance(environment, LocalSandbox):
+                ended = await environment.end_processes()  # from the host: no command
+            else:
+                result = await environment.exec(_END_AGENT_PROCESSES, user="root", timeout_sec=30)
+                ended = result.return_code == 0
+            if not ended:
                 log.warning(
-                    "%s: agent processes survived the kill before verification (exit %s)",
-                    self.trial_name,
-                    result.return_code,
+                    "%s: agent processes survived the kill before verification", self.trial_name
                 )
 
     async def run_agent(self) -> RolloutSample:
