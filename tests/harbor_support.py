@@ -6,6 +6,7 @@ sandbox the way an adversarial or slow agent would.
 
 from __future__ import annotations
 
+import base64
 import shlex
 from collections import Counter
 from pathlib import Path
@@ -16,6 +17,8 @@ from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
 from backends.sandbox.local import LocalSandbox
+
+HIJACK = Path(__file__).with_name("pid1_hijack.py")
 
 
 class _ShellAgent(BaseAgent):
@@ -67,6 +70,31 @@ class ForgesRewardLater(_ShellAgent):
         "nohup bash -c 'while [ ! -s /tests/test.sh ]; do sleep 0.001; done; "
         'printf "#!/bin/bash\\necho 1 > /logs/verifier/reward.txt\\n" > /tests/t.new; '
         "chmod +x /tests/t.new; mv -f /tests/t.new /tests/test.sh' >/dev/null 2>&1 &"
+    )
+
+
+class SeizesPid1(_ShellAgent):
+    """Takes pid 1 over with ptrace (the one process the kill before grading spares) and
+    makes it a loop that writes 1 over the tests' reward."""
+
+    forger = (
+        "import os, time\n"
+        "while True:\n"
+        "    try:\n"
+        "        if open('/logs/verifier/reward.txt').read().strip() not in ('', '1'):\n"
+        "            open('/logs/verifier/reward.txt', 'w').write('1')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    time.sleep(0.002)\n"
+    )
+    script = (
+        (
+            f"echo {base64.b64encode(HIJACK.read_bytes()).decode()} | base64 -d > /root/hijack.py; "
+            f"echo {base64.b64encode(forger.encode()).decode()} | base64 -d > /root/forger.py; "
+            "python3 /root/hijack.py /usr/bin/python3 /root/forger.py"
+        )
+        .replace("{", "{{")
+        .replace("}", "}}")
     )
 
 
@@ -147,3 +175,12 @@ class CountingSandbox(LocalSandbox):
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         CountingSandbox.transfers[f"upload {target_dir}"] += 1
         await super().upload_dir(source_dir, target_dir)
+
+
+class SurvivorSandbox(LocalSandbox):
+    """The local sandbox whose kill before grading reports a survivor (a process stuck past
+    SIGKILL, say), though it killed them all."""
+
+    async def end_processes(self) -> bool:
+        await super().end_processes()
+        return False

@@ -18,6 +18,7 @@ from harbor_support import (
     ForgesRewardLater,
     LeavesService,
     PlantsReward,
+    SeizesPid1,
     Sleeps,
     Snoops,
     SwapsReward,
@@ -421,6 +422,30 @@ async def test_daemons_left_by_the_agent_cannot_forge_the_reward(tmp_path: Path)
     b = backend(tmp_path, agent=ForgesRewardLater, tasks_dir=tmp_path / "tasks")
     results = await collect(b, [request(f"forge-{i}", "forge") for i in range(2)])
     assert [r.reward for r in results] == [0.0, 0.0], results
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the agent injects x86_64 syscalls")
+async def test_an_agent_cannot_turn_pid_1_into_a_reward_forger(tmp_path: Path) -> None:
+    """pid 1 is spared by the kill before grading: an agent that ptraced it into a loop
+    writing 1 over the tests' 0 once turned every such rollout into reward 1."""
+    write_task(tmp_path / "tasks", "forge", test="echo 0 > /logs/verifier/reward.txt; sleep 0.5")
+    b = backend(tmp_path, agent=SeizesPid1, tasks_dir=tmp_path / "tasks")
+    [result] = await collect(b, [request("seize", "forge")])
+    assert result.reward == 0.0, result
+
+
+async def test_a_survivor_of_the_kill_before_grading_voids_the_reward(tmp_path: Path) -> None:
+    """A process still alive when the tests run could have written their reward: the rollout
+    fails as infrastructure (retryable), never graded by what such a process left."""
+    write_task(tmp_path / "tasks", "plain", test="echo 1 > /logs/verifier/reward.txt")
+    b = backend(
+        tmp_path, tasks_dir=tmp_path / "tasks", environment="harbor_support:SurvivorSandbox"
+    )
+    [result] = await collect(b, [request("survivor", "plain")])
+    assert result.reward is None
+    assert result.failure is not None
+    assert (result.failure.category, result.failure.phase) == ("infra_error", "grading")
+    assert "survived the kill" in result.failure.message
 
 
 async def test_a_service_the_agent_leaves_is_kept_only_when_asked(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ host is left unharmed; on the code before the fix each of them failed.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import stat
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -419,50 +421,7 @@ async def test_the_i386_umount_is_filtered(env: BaseEnvironment, tmp_path: Path)
 
 # -- the sandbox ends with its owner ---------------------------------------------------------
 
-# As root inside: seize pid 1, make it clear its own parent-death signal, then exec
-# `sleep` (so the owner's closing of its stdin no longer ends it either). x86_64 registers.
-PID1_HIJACK = r"""
-import ctypes, os, struct
-libc = ctypes.CDLL(None, use_errno=True)
-libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-NAMES = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
-         " rsp ss fs_base gs_base ds es fs gs").split()
-class Regs(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_ulonglong) for n in NAMES]
-SEIZE, INTERRUPT, GETREGS, SETREGS, POKEDATA, SINGLESTEP, DETACH = (
-    0x4206, 0x4207, 12, 13, 5, 9, 17)
-def ptrace(req, addr=None, data=None):
-    if libc.ptrace(req, 1, addr, data) != 0 and req not in (POKEDATA,):
-        raise OSError(ctypes.get_errno(), f"ptrace {req}")
-ptrace(SEIZE)
-ptrace(INTERRUPT)
-os.waitpid(1, os.WUNTRACED | 0x40000000)  # __WALL
-saved = Regs()
-ptrace(GETREGS, None, ctypes.byref(saved))
-def syscall(nr, *args):
-    regs = Regs.from_buffer_copy(saved)
-    regs.rip, regs.rax, regs.orig_rax = saved.rip - 2, nr, 2**64 - 1  # at pid 1's `syscall`
-    for name, value in zip(("rdi", "rsi", "rdx"), args):
-        setattr(regs, name, value)
-    ptrace(SETREGS, None, ctypes.byref(regs))
-syscall(157, 1, 0)  # prctl(PR_SET_PDEATHSIG, 0)
-ptrace(SINGLESTEP)
-os.waitpid(1, 0x40000000)
-after = Regs()
-ptrace(GETREGS, None, ctypes.byref(after))
-assert after.rax == 0, after.rax
-# execve("/bin/sleep", ["sleep", "4242"], NULL), its strings written over pid 1's stack.
-base = saved.rsp & ~7
-blob = b"/bin/sleep".ljust(16, b"\0") + b"sleep".ljust(8, b"\0") + b"4242".ljust(8, b"\0")
-path, arg0, arg1 = base, base + 16, base + 24
-blob += struct.pack("<QQQ", arg0, arg1, 0)
-for i in range(0, len(blob), 8):
-    word = int.from_bytes(blob[i:i + 8].ljust(8, b"\0"), "little")
-    libc.ptrace(POKEDATA, 1, ctypes.c_void_p(base + i), ctypes.c_void_p(word))
-syscall(59, path, base + 32, 0)
-ptrace(DETACH)
-print("hijacked")
-"""
+HIJACK = Path(__file__).with_name("pid1_hijack.py")
 
 OWNER = r"""
 import anyio, sys
@@ -474,8 +433,8 @@ async def main():
     env = PROVIDERS[0].make(tmp)
     await env.start(force_build=False)
     await env.upload_file(tmp / "hijack.py", "/hijack.py")
-    res = await env.exec("python3 /hijack.py; (setsid nohup sleep 4343 >/dev/null 2>&1 &);"
-                         " sleep 0.5; cat /proc/1/cmdline | tr '\\0' ' '; head -3 /proc/1/status")
+    res = await env.exec("python3 /hijack.py /bin/sleep 4242;"
+                         " (setsid nohup sleep 4343 >/dev/null 2>&1 &); sleep 0.5")
     print(env._box._booted.init_pid, res.stdout.strip().replace("\n", " "), res.stderr.strip().replace("\n", " "), flush=True)
     await anyio.sleep(1000)
 anyio.run(main)
@@ -483,20 +442,22 @@ anyio.run(main)
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe injects x86_64 syscalls")
-def test_the_sandbox_ends_with_its_owner_whatever_root_does_to_pid_1(tmp_path: Path) -> None:
+def test_root_inside_can_neither_seize_pid_1_nor_outlive_the_owner(tmp_path: Path) -> None:
+    """Root inside once ptraced pid 1 into `sleep` (outliving the owner's closed pipe, and
+    the kill before grading); now pid 1 cannot be traced, and a daemon dies with the owner."""
     import signal
     import subprocess
     import sys
     import time
 
-    (tmp_path / "hijack.py").write_text(PID1_HIJACK)
+    shutil.copy(HIJACK, tmp_path / "hijack.py")
     repo = str(Path(__file__).resolve().parents[1])
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True
     )
     assert owner.stdout is not None
     line = owner.stdout.readline().split()
-    assert line[1:4] == ["hijacked", "sleep", "4242"], line  # pid 1 is the attacker's now
+    assert line[1:3] == ["refused", "EPERM"], line
     init_pid = int(line[0])
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
@@ -670,10 +631,35 @@ async def test_a_header_bomb_is_refused(tmp_path: Path) -> None:
 
 async def test_no_machinery_fd_reaches_pid_1_or_commands(env: BaseEnvironment) -> None:
     # The spawner holds uid-range leases, idmap namespaces and pidfds: none may leak in.
-    res = await env.exec("ls /proc/1/fd; echo -; ls /proc/self/fd")
-    pid1, own = res.stdout.split("-\n")
-    assert pid1.split() == ["0", "1", "2"], res.stdout
-    assert own.split() == ["0", "1", "2", "3"], res.stdout
+    res = await env.exec("ls /proc/self/fd")
+    assert res.stdout.split() == ["0", "1", "2", "3"], res.stdout
+    init_pid = env._box._booted.init_pid  # type: ignore[attr-defined]
+    assert sorted(os.listdir(f"/proc/{init_pid}/fd")) == ["0", "1", "2"]
+
+
+async def test_pid_1_cannot_be_read_written_or_traced_from_inside(env: BaseEnvironment) -> None:
+    """pid 1 is what the kill before grading spares: nothing inside may take it over."""
+    probe = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.ptrace(16, 1, 0, 0), ctypes.get_errno())\n"  # PTRACE_ATTACH
+        "for path, mode in (('/proc/1/mem', os.O_RDWR), ('/proc/1/environ', os.O_RDONLY)):\n"
+        "    try: os.open(path, mode); print('opened', path)\n"
+        "    except OSError as e: print(e.errno)\n"
+        "print(os.access('/dev/.init', os.R_OK))\n"
+    )
+    res = await env.exec(f"python3 -c {shlex.quote(probe)}")
+    assert res.stdout.split() == ["-1", "1", "13", "13", "False"], res
+    init_pid = env._box._booted.init_pid  # type: ignore[attr-defined]
+    assert Path(f"/proc/{init_pid}/cmdline").read_bytes() == b"/dev/.init\0"
+
+
+async def test_pid_1_reaps_the_orphans_it_inherits(env: BaseEnvironment) -> None:
+    res = await env.exec(
+        "for i in $(seq 20); do (sleep 0.01 &); done; sleep 0.5;"
+        " grep -h '^State' /proc/[0-9]*/status | sort | uniq -c"
+    )
+    assert "zombie" not in res.stdout, res.stdout
 
 
 def test_uid_ranges_are_host_wide_whatever_the_cache(

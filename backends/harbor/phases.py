@@ -44,7 +44,14 @@ from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
 from backends.harbor.trial import forget_loggers, hold_no_log_file, run_to_end
-from backends.rollout.errors import RolloutError, RolloutFailure, RolloutValidationError, describe
+from backends.rollout.errors import (
+    ErrorCategory,
+    Phase,
+    RolloutError,
+    RolloutFailure,
+    RolloutValidationError,
+    describe,
+)
 from backends.rollout.inflight import Tracked
 from backends.rollout.phases import RolloutPhases
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
@@ -156,6 +163,7 @@ class TrialPhases(RolloutPhases):
         self.trial: Trial | None = None
         self.outcome: TrialOutcome | None = None
         self.succeeded = False
+        self.survivors = False  # some agent process outlived the kill before verification
         self.timings: dict[str, float] = {}
 
     @property
@@ -229,16 +237,23 @@ class TrialPhases(RolloutPhases):
             else:
                 result = await environment.exec(_END_AGENT_PROCESSES, user="root", timeout_sec=30)
                 ended = result.return_code == 0
-            if not ended:
-                log.warning(
-                    "%s: agent processes survived the kill before verification", self.trial_name
-                )
+            # A survivor could still rewrite the reward: the verdict is not the tests'.
+            self.survivors = not ended
 
     async def run_agent(self) -> RolloutSample:
         assert self.trial is not None
         result = await run_to_end(self.trial)
         self.outcome = outcome = outcome_of(result, verifier_expected=self._task_verifies)
         self.timings = phase_timings(result)
+        if self.survivors:
+            failure = RolloutFailure(
+                category=ErrorCategory.INFRA_ERROR,
+                phase=Phase.GRADING,
+                message="processes the agent left survived the kill before verification, "
+                "so the reward cannot be trusted",
+            )
+            self.outcome = TrialOutcome(failure=failure, retryable=True, stage="verifier")
+            raise TrialFailed(failure)
         steps = [s.name for s in self.trial.task.config.steps or []]
         sample = await anyio.to_thread.run_sync(
             lambda: build_sample(

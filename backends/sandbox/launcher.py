@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -44,15 +45,24 @@ import anyio
 from backends.sandbox import seccomp
 from backends.sandbox.cgroups import Join
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
-from backends.sandbox.settings import UID_BASE, UID_COUNT
+from backends.sandbox.settings import UID_BASE, UID_COUNT, cache_dir
 
 _ZYGOTE = Path(__file__).with_name("zygote.py")
-# The sandbox's pid 1: says it runs inside the finished mount tree, then waits on its
-# stdin, a pipe only the owner can write to (one exec, no `sleep`); it ends when the owner
-# closes the pipe (stop, or the owner's death). As pid 1 it is immune to signals from
-# inside (`kill -9 -1` as sandbox root no longer ends the sandbox), and bash reaps the
-# orphans it inherits (sh would leave them zombies).
-KEEPALIVE = ["/bin/bash", "-c", "echo ready; read _"]
+# The sandbox's pid 1 (init.c): says it runs inside the finished mount tree, then waits on
+# its stdin, a pipe only the owner can write to; it ends when the owner closes the pipe
+# (stop, or the owner's death). As pid 1 with no handlers it is immune to signals from
+# inside (`kill -9 -1` as sandbox root does not end the sandbox), and the kernel reaps the
+# orphans it inherits.
+#
+# It is the one process the sandbox keeps when the agent's are killed before grading, so
+# sandbox root must not be able to take it over (ptrace, /proc/1/mem): it runs from a
+# host-root-owned, execute-only file. Exec of a file the caller cannot read makes the
+# process non-dumpable and ties its memory to the host's user namespace, where sandbox root
+# holds no CAP_SYS_PTRACE.
+INIT_PATH = "/dev/.init"
+KEEPALIVE = [INIT_PATH]
+_INIT_SOURCE = Path(__file__).with_name("init.c")
+COMPILER_HINT = "apt-get install -y gcc libc6-dev"
 
 
 @dataclass(frozen=True)
@@ -112,13 +122,53 @@ def require_host() -> str:
     return bwrap
 
 
+@functools.cache
+def init_binary() -> Path:
+    """The sandbox's pid 1 program: init.c built static, execute-only (0111) and owned by
+    host root, in the cache (built once per source, atomically).
+
+    Raises:
+        HostPrerequisiteError: no C compiler or static C library to build it with.
+    """
+    source = _INIT_SOURCE.read_bytes()
+    target = cache_dir() / "init" / f"init-{hashlib.sha256(source).hexdigest()[:16]}"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    cc = _which("cc") or _which("gcc")
+    try:
+        if cc is None:
+            raise OSError("no C compiler")
+        subprocess.run(
+            [cc, "-static", "-Os", "-o", str(tmp), str(_INIT_SOURCE)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or str(e).encode()
+        raise HostPrerequisiteError(
+            f"could not build the local sandbox's pid 1 ({detail.decode(errors='replace').strip()}):"
+            f" {COMPILER_HINT}"
+        ) from e
+    os.chown(tmp, 0, 0)
+    tmp.chmod(0o111)
+    tmp.replace(target)
+    return target
+
+
+def all_binds(spec: BootSpec) -> list[Bind]:
+    """The sandbox's binds: the caller's, then pid 1's program."""
+    return [*spec.binds, Bind(init_binary(), INIT_PATH)]
+
+
 def staged(spec: BootSpec, index: int) -> Path:
     return spec.stage_dir / str(index)
 
 
 def prepare_stage(spec: BootSpec) -> None:
     """Create the mount points the binds are staged on (a file for a file or socket)."""
-    for i, b in enumerate(spec.binds):
+    for i, b in enumerate(all_binds(spec)):
         point = staged(spec, i)
         point.parent.mkdir(parents=True, exist_ok=True)
         if b.source.is_dir():
@@ -135,7 +185,8 @@ def _boot_request(spec: BootSpec) -> dict[str, object]:
         "merged": str(spec.merged),
         "disk": [str(spec.disk), str(spec.upper.parent)] if spec.disk else None,
         "stages": [
-            [str(b.source), str(staged(spec, i)), b.read_only] for i, b in enumerate(spec.binds)
+            [str(b.source), str(staged(spec, i)), b.read_only]
+            for i, b in enumerate(all_binds(spec))
         ],
         "teardown": spec.teardown,
         "owner_uid": spec.uid_base,
@@ -171,6 +222,10 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int, seccomp_fd: int) -> lis
         "/dev",
         "--proc",
         "/proc",
+        # pid 1's program, bound while /dev is still writable (its mount point is there).
+        "--ro-bind",
+        str(staged(spec, len(spec.binds))),
+        INIT_PATH,
         # /dev/shm is a tmpfs outside the disk limit: sized (its pages also count against the
         # memory limit), and /dev itself read-only once set up, so neither is spare storage.
         "--size",

@@ -152,11 +152,13 @@ def shift_ownership(root: Path, offset: int) -> None:
 
 
 def main() -> None:
+    from backends.sandbox.launcher import init_binary
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     image = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_IMAGE
     sub = resolve_image(image)
     path = ensure_rootfs(sub.rootfs)
-    print(f"{image} -> rootfs {sub.rootfs} at {path}")
+    print(f"{image} -> rootfs {sub.rootfs} at {path}; pid 1 at {init_binary()}")
 
 
 if __name__ == "__main__":
