@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 from harbor.environments.base import BaseEnvironment
 
@@ -651,7 +652,8 @@ async def test_pid_1_cannot_be_read_written_or_traced_from_inside(env: BaseEnvir
     res = await env.exec(f"python3 -c {shlex.quote(probe)}")
     assert res.stdout.split() == ["-1", "1", "13", "13", "False"], res
     init_pid = env._box._booted.init_pid  # type: ignore[attr-defined]
-    assert Path(f"/proc/{init_pid}/cmdline").read_bytes() == b"/dev/.init\0"
+    cmdline = await anyio.Path(f"/proc/{init_pid}/cmdline").read_bytes()
+    assert cmdline == b"/dev/.init\0"
 
 
 async def test_pid_1_reaps_the_orphans_it_inherits(env: BaseEnvironment) -> None:
