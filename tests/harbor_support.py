@@ -116,6 +116,12 @@ class Answers(_ShellAgent):
     script = "mkdir -p /app && echo {instruction} | awk '{{print $NF}}' > /app/answer.txt"
 
 
+class StallsTransfers(_ShellAgent):
+    """Replaces the sandbox's tar with one that hangs, so every later transfer stalls."""
+
+    script = "printf '#!/bin/sh\\nexec sleep 876543\\n' > /usr/bin/tar; chmod 755 /usr/bin/tar"
+
+
 def write_task(root: Path, name: str, *, test: str, solve: str = "true", toml: str = "") -> Path:
     """A single-step task on the base image with the given tests and oracle solution."""
     task = root / name

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 from harbor_support import write_task
 
@@ -30,7 +32,9 @@ async def test_harbors_scrub_never_reads_a_huge_file_the_sandbox_left(tmp_path: 
     files are removed before it runs; without a key nothing reads them and they stay."""
     tasks = tmp_path / "tasks"
     for name, toml in (("keyed", JUDGE_KEY), ("plain", "")):
-        write_task(tasks, name, test="echo 1 > /logs/verifier/reward.txt", solve=HUGE_LOG, toml=toml)
+        write_task(
+            tasks, name, test="echo 1 > /logs/verifier/reward.txt", solve=HUGE_LOG, toml=toml
+        )
     b = HarborBackend(
         agent="oracle",
         tasks_dir=tasks,
@@ -45,3 +49,36 @@ async def test_harbors_scrub_never_reads_a_huge_file_the_sandbox_left(tmp_path: 
     assert (keyed / "small.log").read_text() == "small\n"
     assert not (keyed / "huge.log").exists()
     assert (plain / "huge.log").stat().st_size == 65 << 20  # the control: nothing read it
+
+
+async def test_a_stalled_transfer_costs_no_more_than_its_phases_timeout(tmp_path: Path) -> None:
+    """The agent makes `tar` hang: the agent-log download and the tests' upload each stall.
+    Each gives up after its phase's timeout (3 s here), not the transfers' own half hour,
+    and the rollout is a timeout, not a reward and not a retried infrastructure failure."""
+    write_task(tmp_path / "tasks", "stall", test="echo 1 > /logs/verifier/reward.txt")
+    b = HarborBackend(
+        agent="harbor_support:StallsTransfers",
+        tasks_dir=tmp_path / "tasks",
+        task_mode="dataset",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+    )
+    await b.start()
+    started = time.monotonic()
+    with anyio.fail_after(120):  # the old code waits 1800 s per transfer
+        [result] = await collect(
+            b,
+            [
+                RolloutRequest(
+                    rollout_id="stall",
+                    prompt=[],
+                    metadata={"harbor_task_id": "stall"},
+                    agent_timeout_sec=3,
+                    grader_timeout_sec=3,
+                )
+            ],
+        )
+    elapsed = time.monotonic() - started
+    assert result.failure is not None and result.reward is None, result
+    assert result.failure.category == "timeout" and not result.failure.retryable, result.failure
+    assert elapsed < 30, elapsed

@@ -59,6 +59,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
+from backends.sandbox.local import TRANSFER_TIMEOUT_SEC, LocalSandbox
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,33 @@ class TrialPhases(RolloutPhases):
                 t for t in (self.instruction, task.instruction.strip()) if t
             )
         self.instruction = task.instruction
+        for event in (
+            TrialEvent.ENVIRONMENT_START,
+            TrialEvent.AGENT_START,
+            TrialEvent.VERIFICATION_START,
+        ):
+            self.trial.add_hook(event, self._bound_transfers)
         self.trial.add_hook(TrialEvent.VERIFICATION_START, self._grading)
         self.trial.add_hook(TrialEvent.END, self._before_harbors_scrub)
+
+    async def _bound_transfers(self, event: TrialHookEvent) -> None:
+        """Let each upload or download take no longer than the phase starting may.
+
+        Harbor's transfers run outside its timeouts, and root in the sandbox decides what
+        its `tar` does: stalled, each would hold the trial (and its slot) for half an hour.
+        """
+        trial = self.trial
+        if trial is None or not isinstance(trial.agent_environment, LocalSandbox):
+            return
+        budget: float | None
+        if event.event is TrialEvent.ENVIRONMENT_START:
+            budget = max(trial.environment_build_timeout_sec, trial.agent_setup_timeout_sec)
+        elif event.event is TrialEvent.AGENT_START:
+            budget = trial.agent_timeout_sec
+        else:
+            budget = trial.verifier_timeout_sec
+        if budget:
+            trial.agent_environment.transfer_timeout_sec = min(budget, TRANSFER_TIMEOUT_SEC)
 
     async def _grading(self, event: TrialHookEvent) -> None:
         self.tracked.status = RolloutStatus.GRADING

@@ -89,7 +89,7 @@ def _host_mount_binds(mounts: Iterable[Any]) -> list[Bind]:
 
 
 DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
-TRANSFER_TIMEOUT_SEC = 1800  # a download the sandbox stalls must not hold a trial forever
+TRANSFER_TIMEOUT_SEC = 1800  # a transfer the sandbox stalls must not hold a trial forever
 
 
 class LocalSandbox(BaseEnvironment):
@@ -132,6 +132,11 @@ class LocalSandbox(BaseEnvironment):
     - `max_output_bytes`: output an `exec` keeps per stream (default 64 MiB); the rest is
       drained, dropped, and reported at the end of its stderr.
 
+    - `transfer_timeout_sec`: the longest one upload or download may take (default 1800 s):
+      root inside decides what `tar` is and may stall it. Past it the transfer is killed
+      and raises `ExecTimeoutError`. The attribute of that name may be changed while the
+      sandbox runs: HarborBackend sets it to each phase's own timeout (agent setup, agent,
+      verifier), so a stalled transfer holds a trial no longer than that phase could.
     - `shm_size_mb`: size of /dev/shm (default: the task's memory_mb, else 64).
     - `max_download_bytes`: the most one download may bring to the host, both as archive
       bytes and as the files' apparent sizes (a sparse file counts at its full size; default:
@@ -179,8 +184,10 @@ class LocalSandbox(BaseEnvironment):
         max_download_bytes: int | str | None = None,
         shm_size_mb: int | str | None = None,
         enforce_storage: bool | str = True,
+        transfer_timeout_sec: float | str = TRANSFER_TIMEOUT_SEC,
         **kwargs: Any,
     ) -> None:
+        self.transfer_timeout_sec = float(transfer_timeout_sec)
         self._extra_binds = _parse_binds(extra_binds)
         self._relay_socket = Path(relay_socket) if relay_socket else None
         self._relay_port = int(relay_port)
@@ -430,6 +437,7 @@ class LocalSandbox(BaseEnvironment):
                 ["/bin/sh", "-c", 'mkdir -p -- "$0" && exec tar -x -p -C "$0" -f -', target_dir],
                 user=root,
                 stdin=archive,
+                timeout=self.transfer_timeout_sec,
             )
         if res.return_code != 0:
             raise OSError(f"upload into {target_dir} failed: {res.stderr.decode().strip()}")
@@ -471,7 +479,7 @@ class LocalSandbox(BaseEnvironment):
                 user=await box.resolve_user(0),
                 stdin=stdin,
                 stdout=archive,
-                timeout=TRANSFER_TIMEOUT_SEC,
+                timeout=self.transfer_timeout_sec,
                 output_limit=limit,
             )
             if res.stdout_dropped:
@@ -571,7 +579,7 @@ class LocalSandbox(BaseEnvironment):
         listing = await box.run(
             ["/bin/sh", "-c", 'cd -- "$0" && exec find . -type f -print0', source],
             user=await box.resolve_user(0),
-            timeout=TRANSFER_TIMEOUT_SEC,
+            timeout=self.transfer_timeout_sec,
         )
         if listing.return_code != 0 or listing.stdout_dropped:
             raise FileNotFoundError(
