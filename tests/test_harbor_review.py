@@ -9,7 +9,15 @@ import anyio
 import pytest
 from harbor_support import write_task
 
-from backends import HarborBackend, RolloutRequest, collect
+from backends import (
+    HarborBackend,
+    Relay,
+    RelayedBackend,
+    RolloutRequest,
+    RolloutStatus,
+    collect,
+)
+from backends.relay.scripted import ScriptedPolicy
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.anyio]
 
@@ -82,3 +90,67 @@ async def test_a_stalled_transfer_costs_no_more_than_its_phases_timeout(tmp_path
     assert result.failure is not None and result.reward is None, result
     assert result.failure.category == "timeout" and not result.failure.retryable, result.failure
     assert elapsed < 30, elapsed
+
+
+async def test_a_retry_after_policy_calls_gets_a_fresh_relay_registration(
+    tmp_path: Path,
+) -> None:
+    """The agent called the policy, then its sandbox was killed from the host: the retry runs
+    on a fresh registration. Its token is new, the first one is refused from then on, and
+    the trace holds the retried attempt's call alone (the first one is counted)."""
+    write_task(tmp_path / "tasks", "lost", test="echo 1 > /logs/verifier/reward.txt")
+    record = tmp_path / "tokens.txt"
+    b = HarborBackend(
+        agent="harbor_support:LosesSandboxAfterPolicyCall",
+        native_agent_kwargs={"record": str(record)},
+        tasks_dir=tmp_path / "tasks",
+        task_mode="dataset",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+        infra_attempts=3,
+    )
+    async with ScriptedPolicy() as policy, Relay(upstream_url=policy.base_url) as relay:
+        [result] = await collect(RelayedBackend(b, relay), [request("lost", "lost")])
+    assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0, result.failure
+    (first, _), (second, statuses) = (
+        line.split(" ", 1) for line in record.read_text().splitlines()
+    )
+    assert first != second
+    assert statuses == "[403]"  # the first attempt's token, tried during the second attempt
+    assert result.extra_fields["harbor"]["attempt"] == 2
+    assert result.extra_fields["infra_retries"]["count"] == 1
+    assert "killed from the host" in result.extra_fields["infra_retries"]["failures"][0]
+    assert result.extra_fields["discarded_policy_calls"] == 1
+    assert result.policy_trace is not None
+    # The retried attempt's call alone (the refused old token made none).
+    assert [c.status for c in result.policy_trace.calls] == [200]
+
+
+@pytest.mark.parametrize(
+    ("agent", "expected"),
+    [("EndsPid1ByPtrace", "reward 0"), ("EndsPid1ThroughItsMemory", "agent_error")],
+)
+async def test_an_agent_ending_its_sandbox_is_not_an_infrastructure_failure(
+    tmp_path: Path, agent: str, expected: str
+) -> None:
+    """An agent about to score 0 ends its sandbox's pid 1 instead, so that the rollout would
+    come back as a retryable infra_error, never as its reward 0. Tracing pid 1 is refused
+    (the agent keeps its 0); ending it through its memory is the agent's own failure, not
+    retried."""
+    write_task(tmp_path / "tasks", "t", test="echo 0 > /logs/verifier/reward.txt")
+    b = HarborBackend(
+        agent=f"harbor_support:{agent}",
+        tasks_dir=tmp_path / "tasks",
+        task_mode="dataset",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+        infra_attempts=3,
+    )
+    [result] = await collect(b, [request("end", "t")])
+    assert result.extra_fields["harbor"]["attempt"] == 1, result.failure
+    if expected == "reward 0":
+        assert result.status is RolloutStatus.SUCCESS and result.reward == 0.0, result.failure
+    else:
+        assert result.failure is not None and result.reward is None
+        assert result.failure.category == "agent_error" and not result.failure.retryable
+        assert "ended from inside" in result.failure.message, result.failure

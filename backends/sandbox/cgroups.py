@@ -264,6 +264,25 @@ class SandboxCgroup:
     def members(self) -> list[int]:
         return [p for d in self._dirs for p in _members(d)]
 
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the out-of-memory killer has killed (0 when
+        the host keeps no count)."""
+        if "memory" in self.layout.v1:
+            events = self._controller_dir("memory") / "memory.oom_control"
+        elif self.v2_dir is not None:
+            events = self.v2_dir / "memory.events"  # counts its exec subgroups too
+        else:
+            return 0
+        try:
+            lines = events.read_text().splitlines()
+        except OSError:
+            return 0
+        for line in lines:
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+        return 0
+
     def remove(self) -> None:
         """Kill what is left, then remove the groups (children first)."""
         self.kill()
