@@ -9,9 +9,11 @@ from __future__ import annotations
 import shlex
 from collections import Counter
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from harbor.agents.base import BaseAgent
+from harbor.agents.installed import strands as strands_agent
+from harbor.agents.installed.strands import Strands
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
@@ -152,6 +154,34 @@ class EndsPid1ThroughItsMemory(_ShellAgent):
         "time.sleep(1)\n"
         "EOF"
     )
+
+
+class OfflineStrands(Strands):
+    """Harbor's own installed Strands agent, with only its install step replaced.
+
+    The real install downloads uv, a Python and strands-agents, none of which this machine
+    can reach; this one points the agent's venv at an environment bound into the sandbox
+    (a rollout bundle's, which holds strands-agents). The rest is Harbor's: its runner, and
+    the model connection it builds from the agent's environment variables (the route).
+    """
+
+    def __init__(self, *args: Any, python: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offline_python = python
+
+    async def install(self, environment: BaseEnvironment) -> None:
+        runner = Path(strands_agent.__file__).with_name(self._RUNNER_PATH.name)
+        local = self.logs_dir / runner.name
+        local.write_text(runner.read_text())
+        wrapper = self.logs_dir / "python"
+        wrapper.write_text(f'#!/bin/sh\nexec {self.offline_python} "$@"\n')
+        wrapper.chmod(0o755)
+        await environment.exec(f"mkdir -p {self._PYTHON.parent}", user="root")
+        await environment.upload_file(local, str(self._RUNNER_PATH))
+        await environment.upload_file(wrapper, str(self._PYTHON))
+        staged = self._stage_factory_source()
+        if staged is not None:
+            await environment.upload_dir(staged, str(self._FACTORY_DIR))
 
 
 async def kill_from_the_host(environment: BaseEnvironment) -> None:

@@ -126,17 +126,15 @@ async def test_a_retry_after_policy_calls_gets_a_fresh_relay_registration(
     assert [c.status for c in result.policy_trace.calls] == [200]
 
 
-@pytest.mark.parametrize(
-    ("agent", "expected"),
-    [("EndsPid1ByPtrace", "reward 0"), ("EndsPid1ThroughItsMemory", "agent_error")],
-)
-async def test_an_agent_ending_its_sandbox_is_not_an_infrastructure_failure(
-    tmp_path: Path, agent: str, expected: str
+@pytest.mark.parametrize("agent", ["EndsPid1ByPtrace", "EndsPid1ThroughItsMemory"])
+async def test_an_agent_cannot_end_its_sandbox_to_escape_its_reward(
+    tmp_path: Path, agent: str
 ) -> None:
     """An agent about to score 0 ends its sandbox's pid 1 instead, so that the rollout would
-    come back as a retryable infra_error, never as its reward 0. Tracing pid 1 is refused
-    (the agent keeps its 0); ending it through its memory is the agent's own failure, not
-    retried."""
+    come back as a retryable infra_error, never as its reward 0: by tracing pid 1 and
+    resuming it with SIGKILL, or by writing exit_group into its code through /proc/1/mem.
+    Both are refused now; the sandbox lives on and the agent keeps its 0. (What a sandbox
+    ended from inside is reported as: tests/test_sandbox_ended.py.)"""
     write_task(tmp_path / "tasks", "t", test="echo 0 > /logs/verifier/reward.txt")
     b = HarborBackend(
         agent=f"harbor_support:{agent}",
@@ -147,10 +145,5 @@ async def test_an_agent_ending_its_sandbox_is_not_an_infrastructure_failure(
         infra_attempts=3,
     )
     [result] = await collect(b, [request("end", "t")])
-    assert result.extra_fields["harbor"]["attempt"] == 1, result.failure
-    if expected == "reward 0":
-        assert result.status is RolloutStatus.SUCCESS and result.reward == 0.0, result.failure
-    else:
-        assert result.failure is not None and result.reward is None
-        assert result.failure.category == "agent_error" and not result.failure.retryable
-        assert "ended from inside" in result.failure.message, result.failure
+    assert result.status is RolloutStatus.SUCCESS and result.reward == 0.0, result.failure
+    assert result.extra_fields["harbor"]["attempt"] == 1

@@ -325,6 +325,11 @@ class BwrapSandbox:
                     enter_pidfd=booted.init_fd,
                 )
             except OSError as e:
+                if booted.alive():
+                    # Entering fails as soon as pid 1 starts exiting; its pidfd turns
+                    # readable a moment later. (A live sandbox: a short wait, then the error.)
+                    with anyio.move_on_after(0.5):
+                        await booted.init_exited()
                 if booted.process.returncode is not None or not booted.alive():
                     raise await self._gone(booted) from e
                 raise
