@@ -78,3 +78,21 @@ async def test_an_installed_agent_gets_the_route_through_its_environment(tmp_pat
     written = "".join(p.read_text(errors="replace") for p in trial.rglob("*") if p.is_file())
     assert "http://127.0.0.1:18080/rollouts/installed/v1" in written
     assert UPSTREAM_KEY not in written and policy.base_url not in written
+
+
+def test_an_allowlist_of_the_sandboxs_own_loopback_is_no_network(tmp_path: Path) -> None:
+    """Harbor allowlists an installed agent's inference host: through the relay's forwarder
+    that is 127.0.0.1, inside the sandbox. Only such an allowlist is accepted (as no network)."""
+    from harbor.models.task.config import NetworkMode, NetworkPolicy
+
+    from backends.sandbox.contract import PROVIDERS
+
+    env = PROVIDERS[0].make(tmp_path)
+    for hosts in (["127.0.0.1"], ["localhost", "::1"]):
+        env.validate_network_policy_support(
+            NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=hosts)
+        )
+    with pytest.raises(ValueError, match="allowlist"):
+        env.validate_network_policy_support(
+            NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=["127.0.0.1", "a.com"])
+        )

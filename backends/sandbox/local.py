@@ -6,6 +6,7 @@ Load it in Harbor with `EnvironmentConfig(import_path="backends.sandbox.local:Lo
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ from harbor.environments.capabilities import (
     EnvironmentResourceCapabilities,
 )
 from harbor.environments.definition import require_agent_environment_definition
-from harbor.models.task.config import NetworkMode
+from harbor.models.task.config import NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
@@ -86,6 +87,15 @@ def _host_mount_binds(mounts: Iterable[Any]) -> list[Bind]:
             Bind(Path(mount["source"]), str(mount["target"]), bool(mount.get("read_only")))
         )
     return _parse_binds(binds)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
@@ -255,6 +265,19 @@ class LocalSandbox(BaseEnvironment):
     def capabilities(self) -> EnvironmentCapabilities:
         # Mounted only when asked to: Harbor then derives the /logs binds from trial_paths.
         return EnvironmentCapabilities(disable_internet=True, mounted=self._binds_host_paths)
+
+    def validate_network_policy_support(self, network_policy: NetworkPolicy | None = None) -> None:
+        """Harbor's check, except that an allowlist of loopback addresses alone is no network.
+
+        Harbor allowlists an installed agent's inference host; through the relay's forwarder
+        that is 127.0.0.1, the sandbox's own loopback, which a sandbox without network has.
+        """
+        policy = network_policy or self.network_policy
+        if policy.network_mode == NetworkMode.ALLOWLIST and all(
+            _is_loopback(host) for host in policy.allowed_hosts
+        ):
+            return
+        super().validate_network_policy_support(network_policy)
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
