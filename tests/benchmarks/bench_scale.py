@@ -218,6 +218,14 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
         (await loop.create_connection(_Connection, host, int(port)))[1] for _ in range(connections)
     ]
 
+    async def control(path: str, body: bytes = b"") -> Any:
+        """Stats and cancel on a connection of their own (a worker's may be mid-request)."""
+        conn = (await loop.create_connection(_Connection, host, int(port)))[1]
+        try:
+            return (await call(conn, "POST" if body else "GET", path, body))[1]
+        finally:
+            conn.transport.close()  # type: ignore[union-attr]
+
     async def call(
         conn: _Connection, method: str, path: str, body: bytes = b"", lease: str = ""
     ) -> tuple[int, Any]:
@@ -229,8 +237,8 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
         )
         return status, json.loads(raw) if raw else None
 
-    await call(conns[0], "GET", "/bench/reset")
-    await call(conns[0], "GET", "/bench/reset")  # the probe runs from the first call on
+    await control("/bench/reset")
+    await control("/bench/reset")  # the probe runs from the first call on
     tag = f"s{n}-{int(time.time())}"
     ids = [f"{tag}-{i}" for i in range(n)]
     leases: dict[str, str] = {}
@@ -272,9 +280,9 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
     done, _ = await asyncio.wait([collecting], timeout=max(0.0, window - submitted))
     elapsed = time.perf_counter() - t0
     finished = len(results)
-    _, stats = await call(conns[-1], "GET", "/bench/stats")
+    stats = await control("/bench/stats")
     if not done:
-        await call(conns[-1], "POST", "/rollout/cancel", b'{"all": true}')
+        await control("/rollout/cancel", b'{"all": true}')
         await collecting
     for conn in conns:
         conn.transport.close()  # type: ignore[union-attr]
