@@ -81,6 +81,7 @@ class Probe:
         self.peak_in_flight = 0
         self.peak_threads = 0
         self.peak_fds = 0
+        self.cpu = time.process_time()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -111,6 +112,7 @@ class Probe:
             "peak_in_flight": self.peak_in_flight,
             "peak_threads": self.peak_threads,
             "peak_fds": self.peak_fds,
+            "cpu_sec": time.process_time() - self.cpu,
             "sim": _sim_counters(),
             "create_retries": _create_retries(),
         }
@@ -304,6 +306,7 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
         "finished": finished,
         "window": elapsed,
         "kb_per_rollout": (stats["peak_rss"] - stats["base_rss"]) / flying / 1024,
+        "cpu_ms": stats["cpu_sec"] / max(finished, 1) * 1000,
         **stats,
     }
 
@@ -312,7 +315,8 @@ def report(kind: str, r: dict[str, Any]) -> None:
     print(
         f"{kind:>9} {r['n']:>6} in flight (peak {r['peak_in_flight']:>6}): "
         f"lag p50 {r['lag_p50_ms']:6.1f} ms p99 {r['lag_p99_ms']:7.1f} ms | "
-        f"{r['kb_per_rollout']:6.1f} KB/rollout | {r['rate']:6.1f} rollouts/s | "
+        f"{r['kb_per_rollout']:6.1f} KB/rollout | {r['rate']:6.1f} rollouts/s "
+        f"({r['cpu_ms']:.0f} ms CPU each) | "
         f"lost {r['lost']} | {r['finished']} finished in {r['window']:.0f} s, ok {r['success']}, "
         f"not ok {r['failures']} | "
         f"create retries {r['retries']} (sim failures {r['sim']['create_failures']}) | "
@@ -358,6 +362,7 @@ def main() -> None:
         for this, base in zip(rows["this"], rows["baseline"], strict=True):
             print(
                 f"ratio at {this['n']}: rollouts/s {this['rate'] / base['rate']:.2f}x, "
+                f"CPU per rollout {this['cpu_ms'] / max(base['cpu_ms'], 1e-9):.2f}x, "
                 f"KB/rollout {this['kb_per_rollout'] / max(base['kb_per_rollout'], 1e-9):.2f}x, "
                 f"lag p99 {this['lag_p99_ms'] / max(base['lag_p99_ms'], 1e-9):.2f}x"
             )
