@@ -382,16 +382,17 @@ except OSError as e:
     res = await env.exec("unshare -U true; mount -t tmpfs none /mnt; echo done")
     assert "unshare failed: Operation not permitted" in res.stderr, res.stderr
     assert "mount: /mnt: permission denied" in res.stderr, res.stderr
-    # What tasks do keeps working: threads, namespaces other than user ones, su, ptrace;
-    # no no_new_privs on commands (bwrap sets it on pid 1 only).
+    # What tasks do keeps working: threads, namespaces other than user ones, su, ptrace (of
+    # anything but pid 1); no no_new_privs on commands (bwrap sets it on pid 1 only).
     res = await env.exec(
         "python3 -c 'import threading; t = threading.Thread(target=print); t.start(); t.join()'"
         " && unshare -n true && su nobody -s /bin/sh -c 'id -u'"
         " && grep NoNewPrivs /proc/self/status"
-        " && python3 -c 'import ctypes, os; print(ctypes.CDLL(None).ptrace(0x4206, 1, 0, 0))'"
+        " && { sleep 60 & child=$!; python3 -c 'import ctypes, sys; p = ctypes.CDLL(None).ptrace;"
+        " print(p(0x4206, int(sys.argv[1]), 0, 0), p(0x4206, 1, 0, 0))' $child; kill $child; }"
     )
     assert res.return_code == 0, res.stderr
-    assert res.stdout.split("\n")[1:4] == ["65534", "NoNewPrivs:\t0", "0"], res.stdout
+    assert res.stdout.split("\n")[1:4] == ["65534", "NoNewPrivs:\t0", "0 -1"], res.stdout
 
 
 # Calls the i386 entry point (int 0x80) from a 64-bit process: syscall number, then args.
@@ -457,11 +458,13 @@ def test_root_inside_can_neither_seize_pid_1_nor_outlive_the_owner(tmp_path: Pat
         [sys.executable, "-c", OWNER, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True
     )
     assert owner.stdout is not None
-    line = owner.stdout.readline().split()
+    try:
+        line = owner.stdout.readline().split()
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)  # whatever it said: never left running
+        owner.wait()
     assert line[1:3] == ["refused", "EPERM"], line
     init_pid = int(line[0])
-    os.kill(owner.pid, signal.SIGKILL)
-    owner.wait()
     deadline = time.monotonic() + 10
     while _alive(init_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -636,24 +639,6 @@ async def test_no_machinery_fd_reaches_pid_1_or_commands(env: BaseEnvironment) -
     assert res.stdout.split() == ["0", "1", "2", "3"], res.stdout
     init_pid = env._box._booted.init_pid  # type: ignore[attr-defined]
     assert sorted(os.listdir(f"/proc/{init_pid}/fd")) == ["0", "1", "2"]
-
-
-async def test_pid_1_cannot_be_read_written_or_traced_from_inside(env: BaseEnvironment) -> None:
-    """pid 1 is what the kill before grading spares: nothing inside may take it over."""
-    probe = (
-        "import ctypes, os\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "print(libc.ptrace(16, 1, 0, 0), ctypes.get_errno())\n"  # PTRACE_ATTACH
-        "for path, mode in (('/proc/1/mem', os.O_RDWR), ('/proc/1/environ', os.O_RDONLY)):\n"
-        "    try: os.open(path, mode); print('opened', path)\n"
-        "    except OSError as e: print(e.errno)\n"
-        "print(os.access('/dev/.init', os.R_OK))\n"
-    )
-    res = await env.exec(f"python3 -c {shlex.quote(probe)}")
-    assert res.stdout.split() == ["-1", "1", "13", "13", "False"], res
-    init_pid = env._box._booted.init_pid  # type: ignore[attr-defined]
-    cmdline = await anyio.Path(f"/proc/{init_pid}/cmdline").read_bytes()
-    assert cmdline == b"/dev/.init\0"
 
 
 async def test_pid_1_reaps_the_orphans_it_inherits(env: BaseEnvironment) -> None:
