@@ -7,14 +7,12 @@ host is left unharmed; on the code before the fix each of them failed.
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import stat
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import anyio
 import pytest
 from harbor.environments.base import BaseEnvironment
 

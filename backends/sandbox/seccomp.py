@@ -7,8 +7,9 @@ a terminal (TIOCSTI, TIOCLINUX) and creating user namespaces (nested ones are a 
 kernel bugs, and a way around the uid map). ptrace stays allowed, as in Docker on any recent
 kernel: strace and gdb work inside; only the sandbox's pid 1 may not be traced, have its memory
 read or written, or its limits set (ptrace, process_vm_readv/writev, prlimit64 with pid 1;
-pid 1 is also non-dumpable, its memory the host user namespace's: see launcher.KEEPALIVE): through those root inside could end the sandbox, even with the
-SIGKILL the host's own kill sends, and pass its failure off as the infrastructure's.
+pid 1 is also non-dumpable, its memory the host user namespace's: see launcher.KEEPALIVE):
+through those root inside could end the sandbox, even with the SIGKILL the host's own kill
+sends, or turn pid 1 (which the kill before grading spares) into a forger of the reward.
 
 The filter is compiled by libseccomp (through pyseccomp) into classic BPF, once per process;
 bubblewrap loads it into the sandbox's pid 1 (`--seccomp FD`) and the spawner into every process
