@@ -217,7 +217,7 @@ async def kill_from_the_host(environment: BaseEnvironment) -> None:
     import os
     import signal
 
-    found = await environment.exec("readlink /proc/1/ns/pid", user="root")
+    found = await environment.exec("readlink /proc/self/ns/pid", user="root")
     os.kill(_init_of(found.stdout.strip()), signal.SIGKILL)
 
 

@@ -45,7 +45,7 @@ def make_exit(pid: int) -> None:
 
 
 async def init_pid(env: BaseEnvironment) -> int:
-    found = await env.exec("readlink /proc/1/ns/pid", user="root")
+    found = await env.exec("readlink /proc/self/ns/pid", user="root")
     return _init_of(found.stdout.strip())
 
 
