@@ -80,3 +80,43 @@ async def test_a_collector_with_another_cache_leaves_our_sandboxes_alone(tmp_pat
         assert result.stdout == "alive\n", result
     finally:
         await env.stop(delete=True)
+
+
+HOLDER = f"""
+import anyio, sys
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from pathlib import Path
+from backends.sandbox.contract import PROVIDERS
+async def main():
+    env = PROVIDERS[0].make(Path(sys.argv[1]))
+    await env.start(force_build=False)
+    try:
+        print(env._box.name, flush=True)
+        sys.stdin.readline()
+        print((await env.exec("echo alive")).stdout, end="", flush=True)
+    finally:
+        await env.stop(delete=True)
+anyio.run(main)
+"""
+
+
+def test_a_collector_leaves_alone_an_owner_in_another_pid_namespace(tmp_path: Path) -> None:
+    """A container sharing the cache owns sandboxes under pids this /proc does not show: the
+    reaper once judged them dead and removed them from under their live owner."""
+    owner = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", HOLDER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdin is not None and owner.stdout is not None
+    try:
+        name = owner.stdout.readline().strip()
+        assert (run_dir() / name / "owner").exists(), name
+        assert name not in reap_orphans()
+        owner.stdin.write("\n")
+        owner.stdin.flush()
+        assert owner.stdout.readline() == "alive\n"
+    finally:
+        owner.stdin.close()
+        assert owner.wait(30) == 0

@@ -27,7 +27,7 @@ from typing import BinaryIO, SupportsIndex
 
 import anyio
 
-from backends.sandbox import cgroups, disk, launcher, network, uids
+from backends.sandbox import cgroups, disk, launcher, network, owners, uids
 from backends.sandbox.errors import (
     ExecTimeoutError,
     SandboxEndedError,
@@ -407,7 +407,7 @@ def _prepare_dir(
     directory.mkdir(parents=True)
     # Atomically: a concurrent reap_orphans (another process) must never read a
     # half-written record and take this live sandbox for an orphan.
-    (directory / "owner.new").write_text(_owner_record(os.getpid()))
+    (directory / "owner.new").write_text(owners.own_record())
     (directory / "owner.new").rename(directory / "owner")
     limits, precreate, storage_mb = key
     # With a disk limit the layer's directories are laid out here, then copied into the image
@@ -745,33 +745,9 @@ atexit.register(flush_cleanup)
 atexit.register(_pool.close)  # registered last, so it runs first: no refill after it
 
 
-def _start_time(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-_own_record: tuple[int, str] = (0, "")
-
-
-def _owner_record(pid: int) -> str:
-    global _own_record
-    if _own_record[0] == pid:  # our own start time never changes: read it once
-        return _own_record[1]
-    record = f"{pid} {_start_time(pid)}\n"
-    if pid == os.getpid():
-        _own_record = (pid, record)
-    return record
-
-
 def _owner_alive(record: str) -> bool:
-    try:
-        pid_s, start = record.split()
-    except ValueError:
-        return False
-    return _start_time(int(pid_s)) == start
+    """Alive, or recorded in another host or pid namespace (not ours to judge)."""
+    return owners.state(record) != "dead"
 
 
 def new_sandbox_name() -> str:
