@@ -32,22 +32,35 @@ def host_identity() -> str:
     return f"{socket.gethostname()} {boot} {os.readlink('/proc/self/ns/pid')}"
 
 
+def write(directory: Path) -> None:
+    """Record this process as the owner of ``directory``.
+
+    Two files, so that a reaper of an older version (which reads ``owner`` as exactly a pid
+    and a start time) still reads it: the host first, then the record, renamed into place.
+    """
+    (directory / "owner-host").write_text(host_identity() + "\n")
+    (directory / "owner.new").write_text(f"{os.getpid()} {_own_start()}\n")
+    (directory / "owner.new").rename(directory / "owner")
+
+
 @functools.cache
-def own_record() -> str:
-    """This process's record (pid, start time and host never change while it runs)."""
-    return record_of(os.getpid())
+def _own_start() -> str | None:
+    return start_time(os.getpid())  # never changes while this process runs
 
 
-def record_of(pid: int) -> str:
-    return f"{pid} {start_time(pid)} {host_identity()}\n"
+def state_of(directory: Path) -> State:
+    """Whether the owner recorded in ``directory`` is alive, dead, or not judgeable here.
 
-
-def state(record: str) -> State:
-    """Whether the record's owner is alive, dead, or not judgeable from here."""
-    fields = record.split(maxsplit=2)
-    if len(fields) < 2 or not fields[0].isdigit():
+    Raises:
+        FileNotFoundError: no owner record (yet).
+    """
+    fields = (directory / "owner").read_text().split()
+    if len(fields) != 2 or not fields[0].isdigit():
         return "dead"  # never written by a live owner (records are renamed into place)
-    # Two fields: a record from before hosts were recorded, judged by this /proc as then.
-    if len(fields) == 3 and fields[2].strip() != host_identity():
+    try:
+        host = (directory / "owner-host").read_text().strip()
+    except FileNotFoundError:
+        host = host_identity()  # recorded by an older version, which knew no other host
+    if host != host_identity():
         return "unknown"
     return "alive" if start_time(int(fields[0])) == fields[1] else "dead"

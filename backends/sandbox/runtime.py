@@ -407,8 +407,7 @@ def _prepare_dir(
     directory.mkdir(parents=True)
     # Atomically: a concurrent reap_orphans (another process) must never read a
     # half-written record and take this live sandbox for an orphan.
-    (directory / "owner.new").write_text(owners.own_record())
-    (directory / "owner.new").rename(directory / "owner")
+    owners.write(directory)
     limits, precreate, storage_mb = key
     # With a disk limit the layer's directories are laid out here, then copied into the image
     # (mounted only inside the sandbox's mount namespace, out of host users' reach).
@@ -745,9 +744,13 @@ atexit.register(flush_cleanup)
 atexit.register(_pool.close)  # registered last, so it runs first: no refill after it
 
 
-def _owner_alive(record: str) -> bool:
-    """Alive, or recorded in another host or pid namespace (not ours to judge)."""
-    return owners.state(record) != "dead"
+def _owner_alive(directory: Path) -> bool:
+    """Alive, or recorded in another host or pid namespace (not ours to judge).
+
+    Raises:
+        FileNotFoundError: no owner record (yet).
+    """
+    return owners.state_of(directory) != "dead"
 
 
 def new_sandbox_name() -> str:
@@ -783,9 +786,8 @@ def reap_orphans() -> list[str]:
                 if p not in busy:  # ours being deleted, or left by a dead process
                     shutil.rmtree(p, ignore_errors=True)
     for name in sorted(names):
-        owner = base / name / "owner"
         try:
-            if _owner_alive(owner.read_text()):
+            if _owner_alive(base / name):
                 continue
         except FileNotFoundError:
             # A run dir without an owner record is being created right now (the record is
@@ -807,7 +809,7 @@ def list_sandboxes() -> list[tuple[str, bool]]:
     for path in sorted(base.iterdir()) if base.is_dir() else []:
         if path.is_dir() and path.name.startswith(sandbox_prefix()):
             try:
-                alive = _owner_alive((path / "owner").read_text())
+                alive = _owner_alive(path)
             except FileNotFoundError:
                 alive = True  # being created right now (its owner record comes first)
             found.append((path.name, alive))
