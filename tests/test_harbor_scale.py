@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -98,8 +99,10 @@ def test_failed_trial_retention_scans_the_directory_once_and_survives_races(
     from backends.harbor.files import Retention
 
     trials = tmp_path / "trials"
+    long_ago = time.time() - 7200
     for i in range(30):
         (trials / f"old-{i}").mkdir(parents=True)
+        os.utime(trials / f"old-{i}", (long_ago - i, long_ago - i))
     retention = Retention(max_failed=10)
     (trials / "first").mkdir()
     retention.finish(trials / "first", succeeded=False)
@@ -128,3 +131,19 @@ def test_failed_trial_retention_scans_the_directory_once_and_survives_races(
     assert errors == []
     monkeypatch.undo()
     assert len(list(trials.iterdir())) == 10
+
+
+def test_failed_trial_retention_leaves_another_runs_live_trials_alone(tmp_path: Path) -> None:
+    """Two runs share the default trials directory: one's retention once removed the other's
+    trial directory while that trial was still running."""
+    from backends.harbor.files import Retention
+
+    trials = tmp_path / "trials"
+    (trials / "other-run-live").mkdir(parents=True)  # another process's, in flight
+    (trials / "other-run-old").mkdir()  # a failed trial left long ago
+    os.utime(trials / "other-run-old", (time.time() - 7200,) * 2)
+    retention = Retention(max_failed=1)
+    for name in ("mine-1", "mine-2"):
+        (trials / name).mkdir()
+        retention.finish(trials / name, succeeded=False)
+    assert sorted(p.name for p in trials.iterdir()) == ["mine-2", "other-run-live"]

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,10 @@ class ArtifactSink:
         return stored
 
 
+# How long another process's trial directory must have been still before retention counts it.
+FOREIGN_GRACE_SEC = 3600.0
+
+
 @dataclass(frozen=True)
 class Retention:
     """How many failed trial directories stay, and how much disk they may take together.
@@ -172,7 +177,11 @@ class Retention:
             return
         with self._lock:
             if not self._scanned:
-                self._kept.update(_entries(trial_dir.parent, active | {trial_dir.name}))
+                # Another process's trials in a shared directory may still be running or
+                # being collected: only those settled for a while count (and may go).
+                settled = time.time() - FOREIGN_GRACE_SEC
+                found = _entries(trial_dir.parent, active | {trial_dir.name}, settled)
+                self._kept.update(found)
                 self._scanned.append(True)
             entry = _entry(trial_dir)
             if entry is not None:
@@ -205,12 +214,30 @@ def _entry(path: Path) -> tuple[float, int] | None:
         return None
 
 
-def _entries(trials_dir: Path, active: frozenset[str]) -> dict[Path, tuple[float, int]]:
+def _entries(
+    trials_dir: Path, active: frozenset[str], settled_before: float | None = None
+) -> dict[Path, tuple[float, int]]:
+    """The trial directories in ``trials_dir`` but ``active``; with ``settled_before``, only
+    those whose directory and result last changed before that time."""
     found = {}
     for child in trials_dir.iterdir() if trials_dir.is_dir() else []:
-        if child.name not in active and (entry := _entry(child)) is not None:
+        if child.name in active:
+            continue
+        if settled_before is not None and _last_change(child) >= settled_before:
+            continue
+        if (entry := _entry(child)) is not None:
             found[child] = entry
     return found
+
+
+def _last_change(path: Path) -> float:
+    times = []
+    for p in (path, path / "result.json"):  # Harbor writes result.json as the trial ends
+        try:
+            times.append(p.lstat().st_mtime)
+        except OSError:
+            pass
+    return max(times, default=float("inf"))  # gone: never settled
 
 
 def _past_bounds(entries: dict[Path, tuple[float, int]], count: int, mb: int) -> list[Path]:
