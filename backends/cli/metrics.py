@@ -66,13 +66,12 @@ def compute_metrics(
     for per_phase in failures.values():
         by_category.update(per_phase)
     tokens = [r.tokens for r in current]
-    wall = sum(
-        (s.ended_at or now or time.time()) - s.started_at for s in manifest.sessions if s.started_at
-    )
+    now = now or time.time()
+    wall = _wall(manifest, current, now)
     finished = sum(s.finished for s in manifest.sessions)
     return RunMetrics(
         run_id=manifest.run_id,
-        updated_at=now or time.time(),
+        updated_at=now,
         complete=len(current) == planned and not counts.get("cancelled"),
         planned=planned,
         counts={
@@ -104,6 +103,22 @@ def compute_metrics(
         wall_sec=wall,
         rollouts_per_sec=finished / wall if wall > 0 else None,
     )
+
+
+def _wall(manifest: RunManifest, current: list[ResultRecord], now: float) -> float:
+    """Seconds the sessions ran: the last one until now; an earlier one that never ended (it
+    was killed) until the last result it wrote."""
+    last_seen: dict[int, float] = {}
+    for record in current:
+        last_seen[record.session] = max(last_seen.get(record.session, 0.0), record.finished_at)
+    wall = 0.0
+    for number, session in enumerate(manifest.sessions, 1):
+        end = session.ended_at
+        if end is None:
+            end = now if number == len(manifest.sessions) else last_seen.get(number)
+        if end is not None:
+            wall += max(0.0, end - session.started_at)
+    return wall
 
 
 def _pass_at_k(

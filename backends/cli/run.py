@@ -421,8 +421,9 @@ class _Run:
         self.metrics = compute_metrics(self.opened.manifest, self.opened.records)
         try:
             write_json_atomic(self.run_dir / METRICS_FILE, self.metrics)
+            self.opened.save_manifest()  # this session's count so far, should it be killed
         except OSError as exc:
-            print(f"warning: cannot write {METRICS_FILE}: {exc}", file=sys.stderr)
+            print(f"warning: cannot write the run's {METRICS_FILE}: {exc}", file=sys.stderr)
 
 
 async def _run(run: _Run, policy: _Policy, n_concurrent: int, display: ProgressDisplay) -> None:
@@ -438,6 +439,7 @@ async def _run(run: _Run, policy: _Policy, n_concurrent: int, display: ProgressD
         f"rollouts to run ({kept} kept), {_what(run.target)}, against "
         f"{policy.label(run.redactor)}",
         highlight=False,
+        soft_wrap=True,
     )
     async with (
         _policy(policy) as base_url,
@@ -630,9 +632,23 @@ def _finish(run: _Run) -> int:
     except OSError as exc:
         print(f"warning: cannot update the run's files: {exc}", file=sys.stderr)
     _table(run)
-    _summary(run, metrics)
+    _summary(run, metrics, _write_report(run.run_dir))
     _problems(run)
     return code
+
+
+def _write_report(run_dir: Path) -> bool:
+    """The HTML report, when ``backends.report`` is installed; a failure costs a warning."""
+    try:
+        from backends.report import write_report
+    except ImportError:
+        return False
+    try:
+        write_report(run_dir)
+    except Exception as exc:  # the run's results stand without their page
+        print(f"warning: the report could not be written: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _table(run: _Run) -> None:
@@ -659,7 +675,7 @@ def _table(run: _Run) -> None:
     console.print(table)
 
 
-def _summary(run: _Run, metrics: RunMetrics) -> None:
+def _summary(run: _Run, metrics: RunMetrics, reported: bool) -> None:
     counts = metrics.counts
     mean = "-" if metrics.mean_reward is None else f"{metrics.mean_reward:.4g}"
     pass_k = ", ".join(f"pass@{k} {v:.3f}" for k, v in metrics.pass_at_k.items()) or "-"
@@ -690,11 +706,8 @@ def _summary(run: _Run, metrics: RunMetrics) -> None:
         console.print(line, highlight=False, soft_wrap=True)
     report = run.run_dir / REPORT_FILE
     console.print(f"run directory: {run.run_dir}", highlight=False, soft_wrap=True)
-    console.print(
-        f"report: {report} (write it with: backends report {run.run_dir})",
-        highlight=False,
-        soft_wrap=True,
-    )
+    how = "" if reported else f" (write it with: backends report {run.run_dir})"
+    console.print(f"report: {report}{how}", highlight=False, soft_wrap=True)
     # One machine-readable summary line, last on stdout, never wrapped.
     print(
         json.dumps(
