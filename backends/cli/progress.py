@@ -36,8 +36,16 @@ class Tally:
     reward_sum: float = 0.0
     graded: int = 0
     started: float = field(default_factory=time.monotonic)
+    note: str | None = None  # what happens before the first rollout (the backend starting)
+
+    def begin(self) -> None:
+        """The rollouts start now: the rate and the ETA count from here."""
+        self.started = time.monotonic()
+        self.note = None
 
     def line(self) -> str:
+        if self.note is not None:
+            return f"{self.note} ({time.monotonic() - self.started:.0f}s)"
         elapsed = time.monotonic() - self.started
         rate = self.done / elapsed if elapsed > 0 else 0.0
         left = self.total - self.done
@@ -73,7 +81,7 @@ class ProgressDisplay:
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]rollouts"),
-                BarColumn(),
+                BarColumn(bar_width=24),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"),
                 TimeElapsedColumn(),
@@ -85,13 +93,10 @@ class ProgressDisplay:
         self._last_line = time.monotonic()
         return self
 
-    def status(self, text: str) -> None:
-        """A one-off line (the backend warming up, say), above the bar."""
-        self.console.print(text, highlight=False)
-
     def update(self) -> None:
         if self._progress is not None and self._task is not None:
-            status = self.tally.line().split(" | ", 1)[1]  # the bar shows done/total itself
+            line = self.tally.line()
+            status = line.split(" | ", 1)[-1]  # the bar shows done/total itself
             self._progress.update(self._task, completed=self.tally.done, status=status)
         elif time.monotonic() - self._last_line >= self.interval:
             self._print_line()

@@ -463,8 +463,10 @@ async def _run(run: _Run, policy: _Policy, n_concurrent: int, display: ProgressD
                     tg.start_soon(_tick, display)
                     with batch:
                         if run.tally.total:
-                            display.status(f"starting the backend ({_what(run.target)})")
+                            # Building and installing a rollout bundle can take minutes.
+                            run.tally.note = "starting the backend"
                             await start_backend(relayed)
+                            run.tally.begin()
                         async with run_batch(
                             relayed, run.requests(), max_in_flight=n_concurrent
                         ) as stream:
