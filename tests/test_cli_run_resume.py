@@ -413,3 +413,17 @@ def test_plain_progress_lines_off_a_terminal(tmp_path: Path) -> None:
     assert lines and lines[-1].startswith("progress: done 12/12 | running 0 | failed 0")
     assert "mean reward 1.000" in lines[-1] and "rollouts/s" in lines[-1] and "ETA" in lines[-1]
     assert "\x1b[" not in proc.stderr  # no terminal codes in a log
+
+
+def test_a_damaged_results_file_is_named_not_overwritten(tmp_path: Path) -> None:
+    data = dataset(tmp_path, ["ok", "ok"])
+    run_dir = tmp_path / "run"
+    args = ["run", entrypoint(tmp_path), *LOCAL, "-d", str(data), "-o", str(run_dir)]
+    assert run_cli(*args, home=tmp_path).returncode == 0
+    results = run_dir / "results.jsonl"
+    damaged = b'{"rollout_id": "x"}\n' + results.read_bytes()
+    results.write_bytes(damaged)
+    proc = run_cli(*args, home=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "results.jsonl:1: not a result line" in " ".join(proc.stderr.replace("│", " ").split())
+    assert results.read_bytes() == damaged

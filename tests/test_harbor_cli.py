@@ -50,3 +50,26 @@ def test_backends_run_dataset_mode(tmp_path: Path, how: str) -> None:
     folder = rollouts / arts["rollout_id"]
     assert (folder / "artifacts" / "app" / "report.txt").read_text() == "done\n"
     assert (folder / "trajectory.json").is_file()
+
+
+def test_one_task_with_attempts_and_the_nop_agent(tmp_path: Path) -> None:
+    """`-p TASK -k 2`: the task as it is, twice; `-a nop` fails it both times (reward 0)."""
+    env = {**os.environ, "BACKENDS_HOME": str(tmp_path)}
+    run_dir = tmp_path / "run"
+    for agent, reward in (("oracle", 1.0), ("nop", 0.0)):
+        cmd = [
+            sys.executable, "-m", "backends.cli", "run", "-p",
+            str(ROOT / "tasks" / "harbor" / "named-rewards"), "-a", agent, "-k", "2",
+            "-o", str(run_dir / agent),
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = (run_dir / agent / "results.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert sorted((r["row"], r["attempt"]) for r in records) == [(0, 0), (0, 1)]
+        assert {(r["task"], r["reward"]) for r in records} == {("named-rewards", reward)}
+        assert all(r["metrics"]["reward.style"] == 0.5 for r in records)
+        assert any(k.startswith("harbor.") for k in records[0]["timings"])
+        metrics = json.loads((run_dir / agent / "metrics.json").read_text())
+        assert metrics["pass_at_k"] == {"1": reward, "2": reward}
+        assert metrics["groups"][0]["task"] == "named-rewards"

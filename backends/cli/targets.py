@@ -169,7 +169,9 @@ def _from_workflow(choice: Choice, obj: Any) -> tuple[ExecutionBackend, dict[str
             max_concurrent=choice.max_concurrent,
         )
     except ValueError as exc:
-        raise TargetError(str(exc), "-p/--path" if choice.path else "ENTRYPOINT") from None
+        raise TargetError(
+            str(exc), _culprit(exc, "-p/--path" if choice.path else "ENTRYPOINT")
+        ) from None
     inputs.update(
         template=_tree_hash(template),
         environment=choice.environment or "local",
@@ -204,7 +206,7 @@ def _harbor_tasks(choice: Choice) -> Target:
             max_concurrent=choice.max_concurrent,
         )
     except ValueError as exc:
-        raise TargetError(str(exc), "-a/--agent" if "agent" in str(exc) else "-p/--path") from None
+        raise TargetError(str(exc), _culprit(exc, "-p/--path")) from None
     inputs: dict[str, Any] = {
         "mode": "harbor-template" if template else "harbor-tasks",
         "backend": "harbor",
@@ -230,6 +232,15 @@ def _harbor_tasks(choice: Choice) -> Target:
         count = len(ids)
         inputs.update(rows=count)
     return Target(backend=backend, rows=rows, row_count=count, inputs=inputs, display=display)
+
+
+def _culprit(exc: ValueError, default: str) -> str:
+    """The option a HarborBackend construction error is about."""
+    text = str(exc)
+    for word, option in (("environment", "-e/--env"), ("agent", "-a/--agent")):
+        if text.startswith(word) or f" {word} " in text.split(":")[0]:
+            return option
+    return default
 
 
 def _dataset(path: Path, max_row_bytes: int) -> tuple[Callable[[], Iterator[DatasetRow]], int, str]:
