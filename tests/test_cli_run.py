@@ -15,11 +15,11 @@ BACKENDS = [sys.executable, "-m", "backends.cli"]
 
 
 def run_cli(
-    *args: str, home: Path, env: dict[str, str] | None = None
+    *args: str, home: Path, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BACKENDS_HOME": str(home), "COLUMNS": "200", **(env or {})}
     return subprocess.run(
-        [*BACKENDS, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [*BACKENDS, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -44,12 +44,22 @@ def rollout_dir(home: Path, name: str = "row-0-0") -> Path:
     return run / "rollouts" / f"{run.name}.{name}"
 
 
+# The first run of a changed package builds and installs the example's rollout bundle (minutes
+# on a loaded machine) before its first rollout.
+MAIN_JOB_TIMEOUT = 1200
+
+
 @pytest.mark.parametrize(
-    "backend", [pytest.param([], marks=pytest.mark.sandbox, id="harbor"), ["--backend", "local"]]
+    "backend",
+    [
+        pytest.param([], marks=[pytest.mark.sandbox, pytest.mark.timeout(MAIN_JOB_TIMEOUT)]),
+        ["--backend", "local"],
+    ],
+    ids=["harbor", "local"],
 )
 def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path, backend: list[str]) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("run", *backend, "-o", str(run_dir), home=tmp_path)
+    proc = run_cli("run", *backend, "-o", str(run_dir), home=tmp_path, timeout=MAIN_JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "scripted" in proc.stdout
     where = "in this process" if backend else "in sandboxes (HarborBackend)"
