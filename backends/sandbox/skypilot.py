@@ -34,7 +34,9 @@ import tempfile
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, BinaryIO
 
 import anyio
@@ -112,7 +114,7 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             raise ValueError(f"network must be 'public' or 'none', not {network!r}")
         self._network_override = network
         self.sdk = skysdk.load()  # raises naming what to install
-        harbor_skypilot.sky_sandbox = self.sdk  # Harbor's module imports only `sky.sandbox`
+        harbor_skypilot.sky_sandbox = _WithLifetime(self.sdk)  # it imports only `sky.sandbox`
         harbor_skypilot._HAS_SKYPILOT = True
         self._ttl = int(ttl_sec)
         self._max_creates = int(max_concurrent_creates)
@@ -179,7 +181,11 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
                         await anyio.sleep(random.uniform(0, self._jitter))
                     self._sandbox_name = name
                     self.run.live.add(name)  # a half-made one is reaped at exit too
-                    return await super()._create_sandbox(image)
+                    lifetime = _LIFETIME.set(self._ttl)
+                    try:
+                        return await super()._create_sandbox(image)
+                    finally:
+                        _LIFETIME.reset(lifetime)
         raise AssertionError("unreachable")
 
     async def start(self, force_build: bool) -> None:
@@ -422,6 +428,27 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             source,
             lambda archive: _unpack(archive, target, self._max_download, None),
         )
+
+
+_LIFETIME: ContextVar[int | None] = ContextVar("skypilot_lifetime", default=None)
+
+
+class _WithLifetime:
+    """The SDK as Harbor's module calls it, but ``create`` gets the creating sandbox's
+    ``ttl_sec`` (set in ``_LIFETIME`` around the call) instead of Harbor's fixed 24 h."""
+
+    def __init__(self, sdk: Any) -> None:
+        self._sdk = sdk
+        self.create = SimpleNamespace(aio=self._create)  # Harbor calls create.aio
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sdk, name)
+
+    async def _create(self, *args: Any, **kwargs: Any) -> Any:
+        lifetime = _LIFETIME.get()
+        if lifetime is not None:
+            kwargs["timeout"] = lifetime
+        return await self._sdk.create.aio(*args, **kwargs)
 
 
 def _widen_default_executor(threads: int) -> None:
