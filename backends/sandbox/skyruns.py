@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -90,10 +91,20 @@ def current() -> Run:
 
 
 def sandbox_name(run: Run, session_id: str, retry: int = 1) -> str:
-    """A DNS-safe name of at most 53 characters that keeps the run's prefix."""
+    """A DNS-safe name of at most 53 characters that keeps the run's prefix.
+
+    Sanitizing lowercases and maps ``._`` to ``-``, so ids such as ``Row-A`` and ``row-a`` or
+    ``a.b`` and ``a_b`` would meet: whenever it changed the id, a hash of the exact id is
+    appended, so each sandbox keeps a name of its own.
+    """
     prefix = f"bk-{run.id}-"
-    suffix = f"-r{retry}" if retry > 1 else ""
-    return prefix + _sanitize_dns_name(f"{session_id}{suffix}", max_len=MAX_NAME - len(prefix))
+    exact = f"{session_id}-r{retry}" if retry > 1 else session_id
+    room = MAX_NAME - len(prefix)
+    slug = _sanitize_dns_name(exact, max_len=room)
+    if slug != exact:
+        digest = hashlib.sha256(exact.encode()).hexdigest()[:10]
+        slug = f"{slug[: room - len(digest) - 1].rstrip('-')}-{digest}"
+    return prefix + slug
 
 
 def run_of(name: str) -> str | None:
