@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,3 +63,57 @@ def test_ids_that_sanitize_alike_get_distinct_names() -> None:
     # An id that needs no sanitizing keeps its plain name.
     assert skyruns.sandbox_name(run, "row-a-1") == "bk-0123abcd-row-a-1"
     assert skyruns.sandbox_name(run, "Row-A", retry=2) != skyruns.sandbox_name(run, "row-a", 2)
+
+
+HOLDER = """
+import sys
+from backends.sandbox import skyruns
+run = skyruns.current()
+run.register()
+print(run.id, flush=True)
+sys.stdin.read()  # held until the test closes stdin
+"""
+
+
+def _sandbox_cli(*args: str, env: dict[str, str]) -> str:
+    res = subprocess.run(
+        [sys.executable, "-m", "backends.cli", "sandbox", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_a_live_run_recorded_from_another_pid_namespace_is_not_reaped(
+    tmp_path: Path, fake_sky: dict[str, str]
+) -> None:
+    """Two hosts or containers sharing $BACKENDS_HOME: the other's pid means nothing here."""
+    import sky_sandbox
+
+    env = {**fake_sky, "BACKENDS_HOME": str(tmp_path / "home")}
+    holder = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        run_id = holder.stdout.readline().strip()
+        assert len(run_id) == 8, run_id
+        box = sky_sandbox.create(name=f"bk-{run_id}-held", image="ubuntu:24.04")
+        try:
+            listed = _sandbox_cli("ls", "-p", "skypilot", env=env).splitlines()
+            assert "unknown" in next(line for line in listed if box.name in line), listed
+            assert "0 sandbox(es) reaped" in _sandbox_cli("reap", "-p", "skypilot", env=env)
+            assert box.name in [s.name for s in sky_sandbox.ls()]
+            assert (tmp_path / "home" / "skypilot-runs" / run_id).exists()
+        finally:
+            box.terminate()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
