@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from sky_support import fake_sky_server
 
 from backends.harbor.phases import _trial_name
-from backends.sandbox import skyruns
+from backends.sandbox import skypilot, skyruns, unpack
 from backends.sandbox.contract import PROVIDERS
 
 pytestmark = [pytest.mark.anyio]
@@ -117,3 +119,68 @@ def test_a_live_run_recorded_from_another_pid_namespace_is_not_reaped(
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+SWAP = (
+    "for f in $(find /tmp -path '*.bk-down-*' -type f); do"
+    ' truncate -s 64M /tmp/.big && mv -f /tmp/.big "$f"; done; true'
+)
+
+
+def _swap_after_each_exec(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's adversary at its best moment: right after every host command returns, it
+    replaces whatever the host staged for a download with a 64 MiB (sparse) file."""
+    box = env._sandbox
+    run = box.exec.aio
+
+    async def exec_then_swap(*argv: str, **kwargs: Any) -> Any:
+        handle = await run(*argv, **kwargs)
+        if any(".bk-down-" in a for a in argv):
+            await handle.wait()
+            await (await run("sh", "-c", SWAP, timeout_seconds=60)).wait()
+        return handle
+
+    monkeypatch.setattr(box, "exec", SimpleNamespace(aio=exec_then_swap))
+
+
+async def _peak_traced(download: Any) -> tuple[int, BaseException | None]:
+    tracemalloc.start()
+    try:
+        await download
+        error = None
+    except Exception as exc:
+        error = exc
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak, error
+
+
+@pytest.mark.sandbox
+async def test_a_staged_download_swapped_by_the_pod_never_reaches_host_memory(
+    tmp_path: Path, fake_sky: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = SKY.make(tmp_path, kwargs={"max_download_bytes": 1024 * 1024})
+    await env.start(force_build=False)
+    try:
+        await env.exec("mkdir -p /logs/agent && echo hi > /logs/agent/a.txt")
+        payload = os.urandom(200 * 1024)
+        (tmp_path / "big.bin").write_bytes(payload)
+        await env.upload_file(tmp_path / "big.bin", "/logs/big.bin")
+        # An honest download of several chunks comes back whole.
+        monkeypatch.setattr(skypilot, "DOWNLOAD_CHUNK", 64 * 1024)
+        await env.download_file("/logs/big.bin", tmp_path / "back.bin")
+        assert (tmp_path / "back.bin").read_bytes() == payload
+
+        _swap_after_each_exec(env, monkeypatch)
+        # One chunk: what was tarred is what comes back, the swap comes too late.
+        monkeypatch.setattr(skypilot, "DOWNLOAD_CHUNK", 4 * 1024**2)
+        peak, error = await _peak_traced(env.download_dir("/logs/agent", tmp_path / "agent"))
+        assert error is None and (tmp_path / "agent" / "a.txt").read_text() == "hi\n"
+        assert peak < 16 * 1024**2, peak
+        # Several chunks, swapped between them: the cap holds on the bytes that arrive.
+        monkeypatch.setattr(skypilot, "DOWNLOAD_CHUNK", 64 * 1024)
+        peak, error = await _peak_traced(env.download_file("/logs/big.bin", tmp_path / "b2"))
+        assert isinstance(error, unpack.DownloadTooLargeError), error
+        assert peak < 16 * 1024**2, peak
+    finally:
+        await env.stop(delete=True)

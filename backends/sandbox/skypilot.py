@@ -25,6 +25,7 @@ where it needs more:
 from __future__ import annotations
 
 import asyncio
+import binascii
 import inspect
 import logging
 import random
@@ -59,7 +60,8 @@ log = logging.getLogger(__name__)
 
 MAX_TIMEOUT_SEC = harbor_skypilot._MAX_TIMEOUT_SEC  # the server's exec and file-API cap
 DEFAULT_TTL_SEC = 6 * 3600
-DEFAULT_MAX_DOWNLOAD = 4 * 1024**3  # read_bytes holds an archive in memory: bounded
+DEFAULT_MAX_DOWNLOAD = 4 * 1024**3
+DOWNLOAD_CHUNK = 4 * 1024**2  # one exec of a download: the most it holds in memory at once
 CLIENT_GRACE_SEC = 30.0  # past a command's timeout, how long the server may take to report it
 KILL_TIMEOUT_SEC = 30
 STAGING = "/tmp"
@@ -373,30 +375,48 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         await self._put_archive(target, lambda out: transfer.pack_dir_contents(source, out))
 
     async def _get_archive(self, tar_args: str, what: str, extract: Any) -> None:
-        staged = f"{STAGING}/.bk-down-{uuid.uuid4().hex}.tar"
-        res = await self._run_shell(
-            f"tar -c --sparse -f {staged} {tar_args} && stat -c %s {staged}",
-            timeout_seconds=MAX_TIMEOUT_SEC,
-        )
+        """Tar in a fresh root-only dir in the pod, then bring it back in bounded chunks.
+
+        The pod may change the staged file at any time, so no size it reports is trusted:
+        each chunk is an exec's output, at most ``chunk`` bytes, counted as it arrives
+        against ``max_download_bytes`` and spooled to a host file, never held whole.
+        """
+        staging = f"{STAGING}/.bk-down-{uuid.uuid4().hex}"
+        staged = f"{staging}/archive.tar"
+        # base64 (76-column lines) must fit one exec's kept output.
+        chunk = min(DOWNLOAD_CHUNK, self._max_download + 1, self._max_output * 57 // 77)
         try:
-            if res.return_code not in (0, 1):  # 1: a file changed while read; still whole
-                raise FileNotFoundError(f"cannot download {what}: {(res.stderr or '').strip()}")
-            size = int((res.stdout or "0").split()[-1])
-            if size > self._max_download:
-                raise unpack.DownloadTooLargeError(
-                    f"cannot download {what}: larger than {self._max_download} bytes "
-                    f"({size}; max_download_bytes)"
-                )
-            data = await self._require_sandbox().read_bytes.aio(staged)
+            with tempfile.TemporaryFile() as archive:
+                received = 0
+                while True:
+                    read = f"tail -c +{received + 1} {staged} | head -c {chunk} | base64"
+                    if received == 0:
+                        read = (
+                            f"mkdir -m 700 {staging} || exit 125; "
+                            f"tar -c --sparse -f {staged} {tar_args}; rc=$?; "
+                            f"[ $rc -le 1 ] || exit $rc; {read} || exit 125; exit $rc"
+                        )  # tar's 1: a file changed while read; the archive is still whole
+                    res = await self._run_shell(read, timeout_seconds=MAX_TIMEOUT_SEC)
+                    if res.return_code not in (0, 1):
+                        raise FileNotFoundError(
+                            f"cannot download {what}: {(res.stderr or '').strip()}"
+                        )
+                    try:
+                        data = binascii.a2b_base64(res.stdout or "")
+                    except binascii.Error as exc:
+                        raise OSError(f"cannot download {what}: corrupt transfer") from exc
+                    received += len(data)
+                    if len(data) > chunk or received > self._max_download:
+                        raise unpack.DownloadTooLargeError(
+                            f"cannot download {what}: larger than {self._max_download} bytes "
+                            "(max_download_bytes)"
+                        )
+                    archive.write(data)
+                    if len(data) < chunk:
+                        break
+                await anyio.to_thread.run_sync(extract, archive)
         finally:
-            await self._run_shell(f"rm -f {staged}", timeout_seconds=KILL_TIMEOUT_SEC)
-        if len(data) > self._max_download:
-            raise unpack.DownloadTooLargeError(
-                f"cannot download {what}: larger than {self._max_download} bytes"
-            )
-        with tempfile.TemporaryFile() as archive:
-            archive.write(bytes(data))
-            await anyio.to_thread.run_sync(extract, archive)
+            await self._run_shell(f"rm -rf {staging}", timeout_seconds=KILL_TIMEOUT_SEC)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy one sandbox file (links followed inside) to a host path, mode masked to 0755.
