@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 import inspect
+import io
 import logging
 import random
 import shlex
@@ -62,6 +63,7 @@ MAX_TIMEOUT_SEC = harbor_skypilot._MAX_TIMEOUT_SEC  # the server's exec and file
 DEFAULT_TTL_SEC = 6 * 3600
 DEFAULT_MAX_DOWNLOAD = 4 * 1024**3
 DOWNLOAD_CHUNK = 4 * 1024**2  # one exec of a download: the most it holds in memory at once
+DOWNLOAD_IN_MEMORY = 16 * 1024**2  # a download larger than this is spooled to a host file
 CLIENT_GRACE_SEC = 30.0  # past a command's timeout, how long the server may take to report it
 KILL_TIMEOUT_SEC = 30
 STAGING = "/tmp"
@@ -344,10 +346,14 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         )
 
     async def _put_archive(self, target_dir: str, pack: Any) -> None:
-        with tempfile.TemporaryFile() as archive:
-            await anyio.to_thread.run_sync(pack, archive)
-            archive.seek(0)
-            data = await anyio.to_thread.run_sync(archive.read)
+        def packed() -> bytes:
+            # In memory: write_bytes takes the whole archive anyway, and a file descriptor
+            # per upload waiting for a worker thread would add up at thousands in flight.
+            archive = io.BytesIO()
+            pack(archive)
+            return archive.getvalue()
+
+        data = await anyio.to_thread.run_sync(packed)
         staged = f"{STAGING}/.bk-up-{uuid.uuid4().hex}.tar"
         await self._require_sandbox().write_bytes.aio(data, staged)
         quoted = shlex.quote(target_dir)
@@ -379,14 +385,15 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
 
         The pod may change the staged file at any time, so no size it reports is trusted:
         each chunk is an exec's output, at most ``chunk`` bytes, counted as it arrives
-        against ``max_download_bytes`` and spooled to a host file, never held whole.
+        against ``max_download_bytes`` and spooled (to a host file past ``DOWNLOAD_IN_MEMORY``).
         """
         staging = f"{STAGING}/.bk-down-{uuid.uuid4().hex}"
         staged = f"{staging}/archive.tar"
         # base64 (76-column lines) must fit one exec's kept output.
         chunk = min(DOWNLOAD_CHUNK, self._max_download + 1, self._max_output * 57 // 77)
         try:
-            with tempfile.TemporaryFile() as archive:
+            # In memory while small (no descriptor per download in flight), on disk past that.
+            with tempfile.SpooledTemporaryFile(max_size=DOWNLOAD_IN_MEMORY) as archive:
                 received = 0
                 while True:
                     read = f"tail -c +{received + 1} {staged} | head -c {chunk} | base64"
