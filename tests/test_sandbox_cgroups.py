@@ -73,3 +73,22 @@ def test_pure_v2_without_a_controller_refuses_the_limit(tmp_path: Path) -> None:
     group = SandboxCgroup("sbx-nomem", detect(mounts))
     with pytest.raises(HostPrerequisiteError, match=r"memory limit.*refusing to run it unlimited"):
         group.create(Limits(memory_mb=256))
+
+
+def test_removing_a_group_another_reaper_removed_first_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from backends.sandbox import cgroups
+
+    group = tmp_path / "sbx-gone"
+    group.mkdir()
+    listdir = Path.iterdir
+
+    def raced(self: Path):  # the other reaper wins between our look and our listing
+        if self == group:
+            self.rmdir()
+        return listdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", raced)
+    cgroups._rmtree_cgroup(group)
+    assert not group.exists()

@@ -6,7 +6,9 @@ import typer
 
 from backends.bundle.cli import bundle_app
 from backends.cli.run import run_command
+from backends.cli.tasks_check import tasks_app
 from backends.relay.cli import relay_command, scripted_policy_command
+from backends.sandbox.cli import sandbox_app
 from backends.server.cli import serve_command
 
 app = typer.Typer(
@@ -28,6 +30,8 @@ app.command("serve")(serve_command)
 app.command("relay")(relay_command)
 app.command("scripted-policy")(scripted_policy_command)
 app.add_typer(bundle_app, name="bundle")
+app.add_typer(tasks_app, name="tasks")
+app.add_typer(sandbox_app, name="sandbox")
 
 
 def main() -> None:

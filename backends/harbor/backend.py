@@ -92,11 +92,14 @@ class HarborBackend:
 
     ``environment`` picks the sandbox (``"local"`` by default). ``max_concurrent`` bounds
     trials running at once; ``max_queue_depth`` bounds those waiting for a slot, past which
-    ``has_capacity()`` is false (the server answers 429). An infrastructure failure before the
-    agent started (a sandbox that would not start or stay healthy, agent setup) retries with a
-    fresh sandbox, up to ``infra_attempts`` trials in all; later ones (when the agent may have
-    made policy calls) are reported as retryable ``infra_error`` for the caller to resubmit.
-    None of them is ever a reward.
+    ``has_capacity()`` is false (the server answers 429). An infrastructure failure (a sandbox
+    that would not start or stay healthy, agent setup, a sandbox lost mid-run) retries with a
+    fresh sandbox, up to ``infra_attempts`` trials in all. Once the agent may have made policy
+    calls, a retry also takes a fresh relay registration (under ``RelayedBackend``: a new
+    token, the old one refused, the trace holding the retried attempt's calls alone);
+    without a relay such a failure is returned as a retryable ``infra_error`` for the caller
+    to resubmit. None of them is ever a reward. A sandbox ended by what ran inside it (its
+    pid 1 exited, the OOM killer) is the agent's (or the tests') failure, not retried.
 
     Files: trials run in ``trials_dir`` (default ``$BACKENDS_HOME/trials``); a successful
     trial's directory is removed once collected (``cleanup_successful_trials``), failed ones
@@ -197,6 +200,7 @@ class HarborBackend:
                 max_failed_mb=keep_failed_trials_mb,
             ),
             local_sandbox=_is_local_sandbox(self.environment),
+            remote_sandbox=self.environment.import_path == SKYPILOT_SANDBOX,
             workflow=workflow,
             end_agent_processes=end_agent_processes,
         )
@@ -227,7 +231,7 @@ class HarborBackend:
     async def _warm_up(self) -> None:
         """Pay one-time costs before the first rollout: the agent's module (for terminus-2,
         Harbor's LiteLLM, about 7 s), LiteLLM's offline model map, and reaping the local
-        sandboxes of a killed earlier run."""
+        sandboxes (or SkyPilot sandboxes) of a killed earlier run."""
         # LiteLLM fetches its model cost map from the network at import unless told not to.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         await anyio.to_thread.run_sync(self.settings.agent_class)
@@ -236,6 +240,11 @@ class HarborBackend:
             from backends.sandbox.runtime import reap_orphans
 
             await anyio.to_thread.run_sync(reap_orphans)
+        if self.settings.remote_sandbox:
+            # The SDK and its API server are checked now, and a crashed run's pods reaped.
+            from backends.sandbox.skypilot import reap_dead_runs
+
+            await anyio.to_thread.run_sync(reap_dead_runs)
         if self.settings.workflow is not None:  # the bundle, built and installed once
             await self.settings.workflow.prepare(self.tasks_dir)
 
@@ -284,13 +293,28 @@ class HarborBackend:
                 self._drained.set()
 
     async def _attempts(self, request: RolloutRequest, tracked: Tracked) -> RolloutResult:
-        """Run the rollout's trial; retry an infrastructure failure before the agent ran."""
+        """Run the rollout's trial; retry an infrastructure failure with a fresh sandbox.
+
+        After the agent may have called the policy, a retry needs a fresh relay registration
+        too (the route's ``renew``), so the trace holds the retried attempt's calls alone;
+        without one the failure is returned, retryable, for the caller to resubmit.
+        """
         failures: list[str] = []
+        current = request
+        renew_first = False
 
         async def attempt() -> tuple[RolloutResult, bool]:
-            phases = TrialPhases(self.settings, request, tracked, len(failures) + 1)
+            nonlocal current, renew_first
+            route = current.policy_route
+            if renew_first and route is not None and route.renew is not None:
+                current = (await route.renew()).onto(current)
+            phases = TrialPhases(self.settings, current, tracked, len(failures) + 1)
             result = phases.complete(await run_phases(phases, limiter=self._limiter))
-            retry = bool(result.failure and result.failure.retryable and phases.retry_is_fresh)
+            renewable = route is not None and route.renew is not None
+            retry = bool(
+                result.failure and result.failure.retryable and (phases.retry_is_fresh or renewable)
+            )
+            renew_first = not phases.retry_is_fresh
             if retry and result.failure:
                 failures.append(result.failure.message)
             return result, retry

@@ -36,14 +36,21 @@ from harbor.models.trial.config import (
 )
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
+from harbor.utils.env import is_sensitive_env_key
 
 from backends.bundle.agent import WorkflowPlan
 from backends.harbor.agents import AgentSpec
-from backends.harbor.files import ArtifactSink, Retention, drop_unreachable, scrub_secrets
+from backends.harbor.files import (
+    ArtifactSink,
+    Retention,
+    drop_unreachable,
+    drop_unscannable,
+    scrub_secrets,
+)
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
-from backends.harbor.trial import run_to_end
+from backends.harbor.trial import forget_loggers, hold_no_log_file, run_to_end
 from backends.rollout.errors import RolloutError, RolloutFailure, RolloutValidationError, describe
 from backends.rollout.inflight import Tracked
 from backends.rollout.phases import RolloutPhases
@@ -52,7 +59,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
-from backends.sandbox.local import LocalSandbox
+from backends.sandbox.local import TRANSFER_TIMEOUT_SEC, LocalSandbox
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +96,7 @@ class TrialSettings:
     sink: ArtifactSink
     retention: Retention
     local_sandbox: bool
+    remote_sandbox: bool = False  # a SkyPilot pod: told the relay's advertised URL
     workflow: WorkflowPlan | None = None  # agent=<AgentWorkflow>, run from its bundle
     end_agent_processes: bool = True
     active_trials: set[str] = field(default_factory=set)
@@ -195,6 +203,7 @@ class TrialPhases(RolloutPhases):
         try:
             config = self._trial_config()
             self.trial = await Trial.create(config)
+            hold_no_log_file(self.trial)
         except RolloutValidationError:
             raise
         except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task
@@ -209,7 +218,33 @@ class TrialPhases(RolloutPhases):
                 t for t in (self.instruction, task.instruction.strip()) if t
             )
         self.instruction = task.instruction
+        for event in (
+            TrialEvent.ENVIRONMENT_START,
+            TrialEvent.AGENT_START,
+            TrialEvent.VERIFICATION_START,
+        ):
+            self.trial.add_hook(event, self._bound_transfers)
         self.trial.add_hook(TrialEvent.VERIFICATION_START, self._grading)
+        self.trial.add_hook(TrialEvent.END, self._before_harbors_scrub)
+
+    async def _bound_transfers(self, event: TrialHookEvent) -> None:
+        """Let each upload or download take no longer than the phase starting may.
+
+        Harbor's transfers run outside its timeouts, and root in the sandbox decides what
+        its `tar` does: stalled, each would hold the trial (and its slot) for half an hour.
+        """
+        trial = self.trial
+        if trial is None or not isinstance(trial.agent_environment, LocalSandbox):
+            return
+        budget: float | None
+        if event.event is TrialEvent.ENVIRONMENT_START:
+            budget = max(trial.environment_build_timeout_sec, trial.agent_setup_timeout_sec)
+        elif event.event is TrialEvent.AGENT_START:
+            budget = trial.agent_timeout_sec
+        else:
+            budget = trial.verifier_timeout_sec
+        if budget:
+            trial.agent_environment.transfer_timeout_sec = min(budget, TRANSFER_TIMEOUT_SEC)
 
     async def _grading(self, event: TrialHookEvent) -> None:
         self.tracked.status = RolloutStatus.GRADING
@@ -231,6 +266,13 @@ class TrialPhases(RolloutPhases):
                 log.warning(
                     "%s: agent processes survived the kill before verification", self.trial_name
                 )
+
+    async def _before_harbors_scrub(self, event: TrialHookEvent) -> None:
+        # Harbor's own scrub, right after this event, reads every text file of the trial
+        # whole when an env it passes holds a sensitive key (a judge's key in
+        # [verifier.env]); the sandbox wrote those files and may have made them huge.
+        if self.trial is not None and _harbor_scrubs(self.trial):
+            await anyio.to_thread.run_sync(drop_unscannable, self.trial_dir)
 
     async def run_agent(self) -> RolloutSample:
         assert self.trial is not None
@@ -282,6 +324,8 @@ class TrialPhases(RolloutPhases):
         self.succeeded = sample.reward is not None or sample.remove_sample
 
     async def finalize(self) -> None:
+        if self.trial is not None:
+            forget_loggers(self.trial)
         secrets = [self.request.api_key, self.route.api_key]
         stored = await anyio.to_thread.run_sync(self._finish_files, secrets)
         self.extra_fields.setdefault("harbor", {})["artifacts"] = stored
@@ -331,7 +375,7 @@ class TrialPhases(RolloutPhases):
         if settings.agent.calls_model and route.base_url is not None:
             model = model or DEFAULT_MODEL
             if issubclass(settings.agent_class(), BaseInstalledAgent):
-                env = _sandbox_environment(route, environment, settings.local_sandbox)
+                env = _sandbox_environment(route, environment, settings)
             elif settings.agent.name == "terminus-2":
                 # Host-side LiteLLM: the relay's host URL, the rollout's token as its key
                 # (scrubbed from the trial's files in finalize).
@@ -392,8 +436,18 @@ class TrialPhases(RolloutPhases):
         return result.model_copy(update={"extra_fields": extra, "timings": timings})
 
 
+def _harbor_scrubs(trial: Trial) -> bool:
+    """Whether Harbor's end-of-trial scrub will read the trial's files: it does when one of
+    the envs it hands out has a key with a sensitive name, or a model key is named."""
+    envs = [trial.agent.extra_env, trial.task.config.verifier.env, trial.config.verifier.env]
+    if trial.user_agent is not None:
+        envs.append(trial.user_agent.extra_env)
+    named = [c.model_api_key_name for c in (trial.config.agent, trial.config.user_agent) if c]
+    return any(named) or any(is_sensitive_env_key(key) for env in envs for key in env)
+
+
 def _sandbox_environment(
-    route: PolicyRoute, environment: EnvironmentConfig, local: bool
+    route: PolicyRoute, environment: EnvironmentConfig, settings: TrialSettings
 ) -> dict[str, str]:
     """Environment variables for an agent installed in the sandbox: the relay route only.
 
@@ -401,10 +455,12 @@ def _sandbox_environment(
     127.0.0.1; other sandboxes through the relay's advertised URL. Raises
     ``RolloutValidationError`` for a route without a relay (the upstream key stays out).
     """
-    if local:
+    if settings.local_sandbox:
         base = route.sandbox_base_url(forwarder_port=RELAY_PORT)
         environment.kwargs["relay_socket"] = str(route.relay_socket)
         environment.kwargs["relay_port"] = RELAY_PORT
     else:
         base = route.sandbox_base_url()
+        if settings.remote_sandbox:  # it refuses to start where it cannot reach the relay
+            environment.kwargs["relay_url"] = base
     return route.environment(base)
