@@ -19,9 +19,8 @@ import fsspec
 log = logging.getLogger(__name__)
 
 REDACTED = b"[redacted]"
-_SCAN_LIMIT = (
-    64 * 1024 * 1024
-)  # files larger than this are removed, not scanned, if they may hold a secret
+# Files larger than this are removed, not scanned, if they may hold a secret.
+_SCAN_LIMIT = 64 * 1024 * 1024
 
 
 # Paths the host can still open by name (the kernel's PATH_MAX is 4096) and a depth os.walk and
@@ -69,13 +68,9 @@ def scrub_secrets(root: Path, secrets: Iterable[str | None]) -> int:
     needles = sorted({s.encode() for s in secrets if s and len(s) >= 8}, key=len, reverse=True)
     if not needles:
         return 0
-    changed = 0
+    changed = drop_unscannable(root)
     for path in regular_files(root):
         try:
-            if path.stat().st_size > _SCAN_LIMIT:
-                path.unlink()
-                changed += 1
-                continue
             data = path.read_bytes()
             scrubbed = data
             for needle in needles:
@@ -88,6 +83,27 @@ def scrub_secrets(root: Path, secrets: Iterable[str | None]) -> int:
             path.unlink(missing_ok=True)
             changed += 1
     return changed
+
+
+def drop_unscannable(root: Path) -> int:
+    """Remove the files under ``root`` too large to scan for secrets; return how many.
+
+    What the sandbox left may be huge (a sparse file counts in full once downloaded); a
+    scrub that reads files whole (ours, and Harbor's own at the end of a trial) must never
+    read one of those. Fail closed: a file that may hold a secret and cannot be scanned goes.
+    """
+    removed = 0
+    for path in regular_files(root):
+        try:
+            if path.stat().st_size > _SCAN_LIMIT:
+                log.warning("%s: removing %s, too large to scan for secrets", root, path)
+                path.unlink()
+                removed += 1
+        except OSError as exc:
+            log.warning("cannot check %s (%s): removing it", path, exc)
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 class ArtifactSink:
