@@ -3,17 +3,19 @@
 ``SKYPILOT_API_SERVER_ENDPOINT=sim://`` selects it. Every call waits as the model says
 (create ~1 s, exec ~50 ms, transfers by size), a share of creates fail with
 ``TransientServerError``, and files live in memory per sandbox. Commands are not run, with
-one exception a provider's transfers need: ``tar -c ... -f ARCHIVE -C DIR ...`` packs the
-sandbox's in-memory files under DIR into ARCHIVE (and prints its size for a following
-``stat -c %s``), so downloads carry what the model says exists: ``seed_files`` (by default a
-verifier's ``/logs/verifier/reward.txt`` of ``1``).
+exceptions a provider's transfers need: ``tar -c ... -f ARCHIVE -C DIR ...`` packs the
+sandbox's in-memory files under DIR into ARCHIVE, and chunked reads of it come back base64'd,
+so downloads carry what the model says exists: ``seed_files`` (by default a verifier's
+``/logs/verifier/reward.txt`` of ``1``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import random
+import re
 import shlex
 import tarfile
 from collections.abc import Awaitable, Callable
@@ -125,18 +127,36 @@ class SimEngine:
         return None
 
 
+_READ = re.compile(r"tail -c \+(\d+) (\S+) \| head -c (\d+) \| base64")
+
+
 def _respond(box: dict[str, bytes], argv: list[str]) -> tuple[int, bytes, bytes]:
-    """Not executed: only ``tar -c`` (packing modelled files) and ``rm -f`` have effects."""
+    """Not executed: only what transfers need has effects. ``tar -c ... -f ARCHIVE`` packs
+    the modelled files into ARCHIVE, ``tail -c +N F | head -c M | base64`` reads a chunk of
+    a file, ``rm -f``/``rm -rf`` remove files."""
     script = argv[-1] if argv[:2] == ["sh", "-c"] else ""
-    words = shlex.split(script) if script.startswith(("tar -c", "rm -f")) else []
-    if words[:2] == ["rm", "-f"]:
-        for path in words[2:]:
-            box.pop(path, None)
-        return 0, b"", b""
-    if words[:2] != ["tar", "-c"]:
-        return 0, b"", b""
-    archive = words[words.index("-f") + 1]
-    root = words[words.index("-C") + 1].rstrip("/") if "-C" in words else "/"
+    out = b""
+    for part in script.split(";"):
+        words = shlex.split(part.split("||")[0])
+        if words[:2] == ["rm", "-f"]:
+            for path in words[2:]:
+                box.pop(path, None)
+        elif words[:2] == ["rm", "-rf"]:
+            for path in words[2:]:
+                for key in [k for k in box if k == path or k.startswith(path.rstrip("/") + "/")]:
+                    del box[key]
+        elif words[:2] == ["tar", "-c"]:
+            archive = words[words.index("-f") + 1]
+            box[archive] = _pack(box, words, archive)
+            out = f"{len(box[archive])}\n".encode()  # for a following `stat -c %s`
+        elif read := _READ.search(part):
+            start, path, size = int(read[1]), read[2], int(read[3])
+            out = base64.encodebytes(box.get(path, b"")[start - 1 : start - 1 + size])
+    return 0, out, b""
+
+
+def _pack(box: dict[str, bytes], words: list[str], archive: str) -> bytes:
+    root = words[words.index("-C") + 1].rstrip("/") if "-C" in words else ""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for path, data in box.items():
@@ -144,8 +164,7 @@ def _respond(box: dict[str, bytes], argv: list[str]) -> tuple[int, bytes, bytes]
                 info = tarfile.TarInfo(path[len(root) + 1 :])
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    box[archive] = buf.getvalue()
-    return 0, f"{len(box[archive])}\n".encode(), b""
+    return buf.getvalue()
 
 
 _engine: SimEngine | None = None
