@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.sandbox.cgroups import GROUP, Limits, SandboxCgroup, detect
+from backends.sandbox.cgroups import GROUP, Join, Limits, SandboxCgroup, detect
 from backends.sandbox.errors import HostPrerequisiteError
 
 HYBRID = """\
@@ -63,8 +63,8 @@ def test_pure_v2_delegates_controllers_before_making_the_group(tmp_path: Path) -
     assert (box / "cpu.max").read_text() == "150000 100000"
     assert (box / "pids.max").read_text() == "64"
     # Processes live in leaf groups only (v2's no-internal-processes rule).
-    assert group.procs_files() == [str(box / "init" / "cgroup.procs")]
-    assert group.procs_files("x0") == [str(box / "x0" / "cgroup.procs")]
+    assert group.join() == Join((), str(box / "init"))
+    assert group.join("x0") == Join((), str(box / "x0"))
 
 
 def test_pure_v2_without_a_controller_refuses_the_limit(tmp_path: Path) -> None:
@@ -73,3 +73,22 @@ def test_pure_v2_without_a_controller_refuses_the_limit(tmp_path: Path) -> None:
     group = SandboxCgroup("sbx-nomem", detect(mounts))
     with pytest.raises(HostPrerequisiteError, match=r"memory limit.*refusing to run it unlimited"):
         group.create(Limits(memory_mb=256))
+
+
+def test_removing_a_group_another_reaper_removed_first_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from backends.sandbox import cgroups
+
+    group = tmp_path / "sbx-gone"
+    group.mkdir()
+    listdir = Path.iterdir
+
+    def raced(self: Path):  # the other reaper wins between our look and our listing
+        if self == group:
+            self.rmdir()
+        return listdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", raced)
+    cgroups._rmtree_cgroup(group)
+    assert not group.exists()

@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from backends.sandbox import cgroups
 from backends.sandbox.contract import PROVIDERS
 from backends.sandbox.errors import SandboxNotRunningError, SandboxStartError
 from backends.sandbox.layers import layers_dir
@@ -129,6 +130,37 @@ def test_two_event_loops_share_the_spawner(tmp_path: Path) -> None:
     assert ours == other == [0] * 300
 
 
+def _groups(text: str) -> dict[str, str]:
+    """/proc/PID/cgroup as {hierarchy: path} ("" is the v2 tree)."""
+    return {line.split(":")[1]: line.split(":")[2] for line in text.split() if line}
+
+
+async def test_every_process_starts_inside_the_sandbox_cgroups(tmp_path: Path) -> None:
+    """Processes are born in their cgroups (not moved in after the fork): pid 1 in the init
+    group, each command in an exec group of its own, what it forks at once with it, and all
+    of them in the sandbox's group of every v1 hierarchy that holds a limit."""
+    env = LOCAL.make(tmp_path, memory_mb=256, cpus=1)
+    await env.start(force_build=False)
+    try:
+        box = env._box  # type: ignore[attr-defined]
+        res = await env.exec(
+            "cat /proc/1/cgroup; echo @; cat /proc/self/cgroup; echo @; "
+            "sleep 5 & cat /proc/$!/cgroup; kill $!"
+        )
+        init, command, child = (_groups(part) for part in res.stdout.split("@"))
+        second = _groups((await env.exec("cat /proc/self/cgroup")).stdout)
+    finally:
+        await env.stop(delete=True)
+    top = f"/backends/{box.name}"
+    assert init[""] == f"{top}/init"
+    assert command[""] == child[""] == f"{top}/x0"
+    assert second[""] == f"{top}/x1"
+    v1 = [h for h in init if set(h.split(",")) & set(cgroups.layout().v1)]
+    assert len(v1) == len(set(cgroups.layout().v1.values()))  # hybrid hosts: v1 limits
+    for groups in (init, command, child, second):
+        assert all(groups[h] == top for h in v1), groups
+
+
 async def test_exec_never_enters_a_reused_pid(tmp_path: Path) -> None:
     """Commands enter by pid 1's pidfd: once it is gone, its pid number (perhaps reused by a
     host process) is never used to join namespaces."""
@@ -202,3 +234,86 @@ async def test_a_start_failing_after_boot_leaves_nothing(
         with pytest.raises(SandboxStartError, match="no uplink today"):
             await env.start(force_build=False)
     assert len(os.listdir("/proc/self/fd")) <= before  # a leak would add two per start
+
+
+async def test_end_processes_kills_all_but_pid_1_without_a_command(tmp_path: Path) -> None:
+    """What `kill -KILL -1` by root inside does, from the host: daemons, a fork loop and a
+    running command die, pid 1 lives on, and no command ran in the sandbox to do it."""
+    env = LOCAL.make(tmp_path)
+    await env.start(force_build=False)
+    try:
+        await env.exec(
+            "setsid nohup sleep 4711 >/dev/null 2>&1 & "
+            "nohup bash -c 'while :; do sleep 0.01 & done' >/dev/null 2>&1 &"
+        )
+        box = env._box  # type: ignore[attr-defined]
+        async with anyio.create_task_group() as group:
+            group.start_soon(env.exec, "sleep 4712")
+            await anyio.sleep(0.3)
+            execs = box._exec_ids
+            assert await env.end_processes()  # type: ignore[attr-defined]
+            assert box._exec_ids is execs and next(execs) == 2  # no command was run for it
+        assert set(box.cgroup.members()) == {box._booted.process.pid, box._booted.init_pid}
+        res = await env.exec("ps -eo pid,args --no-headers")
+        # Dead ones pid 1 has not reaped yet show as <defunct>; nothing else may be left.
+        alive = [p.split() for p in res.stdout.splitlines() if not p.endswith("<defunct>")]
+        assert alive[0] == ["1", "/bin/bash", "-c", "echo", "ready;", "read", "_"], alive
+        assert not [p for p in alive if "sleep" in p], res.stdout
+    finally:
+        await env.stop(delete=True)
+
+
+async def test_end_processes_never_signals_a_host_process(tmp_path: Path) -> None:
+    """A pid read from the sandbox's cgroup may be reused by a host process before the kill:
+    only a process still in the sandbox's cgroup is ever signalled."""
+    host = await anyio.open_process(["sleep", "60"])
+    try:
+        cgroups.SandboxCgroup(f"sbx-{uuid.uuid4().hex[:8]}")._kill_member(host.pid)
+        await anyio.sleep(0.1)
+        assert host.returncode is None
+    finally:
+        host.kill()
+        await host.wait()
+
+
+REFUSE_CLONE3 = """
+import errno, os, sys
+import pyseccomp
+only_clone3 = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+only_clone3.set_attr(pyseccomp.Attr.CTL_NNP, 0)  # root: no no_new_privs needed
+only_clone3.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+only_clone3.load()
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+async def test_where_clone3_is_refused_commands_still_start_in_their_cgroups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container runtime's filter (or an old kernel) may refuse clone3: the spawner then
+    forks and the child moves itself into its cgroup, the slow way, before it can fork."""
+    import sys
+
+    from backends.sandbox import launcher
+
+    (tmp_path / "refuse.py").write_text(REFUSE_CLONE3)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {tmp_path}/refuse.py {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(launcher.sys, "executable", str(wrapper))
+    monkeypatch.setattr(launcher, "_spawner", None)  # a spawner of its own, under the filter
+    env = LOCAL.make(tmp_path, memory_mb=256)
+    await env.start(force_build=False)
+    try:
+        box = env._box  # type: ignore[attr-defined]
+        res = await env.exec("cat /proc/self/cgroup; sleep 5 & cat /proc/$!/cgroup; kill $!")
+        zygote = launcher.spawner().proc.pid
+        status = Path(f"/proc/{zygote}/status").read_text()  # noqa: ASYNC240
+        assert "Seccomp:\t2" in status  # the spawner did run under the filter
+    finally:
+        await env.stop(delete=True)
+        launcher.spawner().sock.close()  # ends that spawner
+    lines = res.stdout.split()
+    assert lines.count(f"0::/backends/{box.name}/x0") == 2, res

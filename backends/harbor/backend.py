@@ -197,6 +197,7 @@ class HarborBackend:
                 max_failed_mb=keep_failed_trials_mb,
             ),
             local_sandbox=_is_local_sandbox(self.environment),
+            remote_sandbox=self.environment.import_path == SKYPILOT_SANDBOX,
             workflow=workflow,
             end_agent_processes=end_agent_processes,
         )
@@ -227,7 +228,7 @@ class HarborBackend:
     async def _warm_up(self) -> None:
         """Pay one-time costs before the first rollout: the agent's module (for terminus-2,
         Harbor's LiteLLM, about 7 s), LiteLLM's offline model map, and reaping the local
-        sandboxes of a killed earlier run."""
+        sandboxes (or SkyPilot sandboxes) of a killed earlier run."""
         # LiteLLM fetches its model cost map from the network at import unless told not to.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         await anyio.to_thread.run_sync(self.settings.agent_class)
@@ -236,6 +237,11 @@ class HarborBackend:
             from backends.sandbox.runtime import reap_orphans
 
             await anyio.to_thread.run_sync(reap_orphans)
+        if self.settings.remote_sandbox:
+            # The SDK and its API server are checked now, and a crashed run's pods reaped.
+            from backends.sandbox.skypilot import reap_dead_runs
+
+            await anyio.to_thread.run_sync(reap_dead_runs)
         if self.settings.workflow is not None:  # the bundle, built and installed once
             await self.settings.workflow.prepare(self.tasks_dir)
 

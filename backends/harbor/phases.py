@@ -43,7 +43,7 @@ from backends.harbor.files import ArtifactSink, Retention, drop_unreachable, scr
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
-from backends.harbor.trial import run_to_end
+from backends.harbor.trial import forget_loggers, hold_no_log_file, run_to_end
 from backends.rollout.errors import RolloutError, RolloutFailure, RolloutValidationError, describe
 from backends.rollout.inflight import Tracked
 from backends.rollout.phases import RolloutPhases
@@ -52,6 +52,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
+from backends.sandbox.local import LocalSandbox
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class TrialSettings:
     sink: ArtifactSink
     retention: Retention
     local_sandbox: bool
+    remote_sandbox: bool = False  # a SkyPilot pod: told the relay's advertised URL
     workflow: WorkflowPlan | None = None  # agent=<AgentWorkflow>, run from its bundle
     end_agent_processes: bool = True
     active_trials: set[str] = field(default_factory=set)
@@ -194,6 +196,7 @@ class TrialPhases(RolloutPhases):
         try:
             config = self._trial_config()
             self.trial = await Trial.create(config)
+            hold_no_log_file(self.trial)
         except RolloutValidationError:
             raise
         except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task
@@ -220,14 +223,15 @@ class TrialPhases(RolloutPhases):
             is not VerifierEnvironmentMode.SEPARATE
         ):
             # A daemon the agent left could rewrite the reward the tests write, or the tests.
-            result = await self.trial.agent_environment.exec(
-                _END_AGENT_PROCESSES, user="root", timeout_sec=30
-            )
-            if result.return_code != 0:
+            environment = self.trial.agent_environment
+            if isinstance(environment, LocalSandbox):
+                ended = await environment.end_processes()  # from the host: no command
+            else:
+                result = await environment.exec(_END_AGENT_PROCESSES, user="root", timeout_sec=30)
+                ended = result.return_code == 0
+            if not ended:
                 log.warning(
-                    "%s: agent processes survived the kill before verification (exit %s)",
-                    self.trial_name,
-                    result.return_code,
+                    "%s: agent processes survived the kill before verification", self.trial_name
                 )
 
     async def run_agent(self) -> RolloutSample:
@@ -280,6 +284,8 @@ class TrialPhases(RolloutPhases):
         self.succeeded = sample.reward is not None or sample.remove_sample
 
     async def finalize(self) -> None:
+        if self.trial is not None:
+            forget_loggers(self.trial)
         secrets = [self.request.api_key, self.route.api_key]
         stored = await anyio.to_thread.run_sync(self._finish_files, secrets)
         self.extra_fields.setdefault("harbor", {})["artifacts"] = stored
@@ -329,7 +335,7 @@ class TrialPhases(RolloutPhases):
         if settings.agent.calls_model and route.base_url is not None:
             model = model or DEFAULT_MODEL
             if issubclass(settings.agent_class(), BaseInstalledAgent):
-                env = _sandbox_environment(route, environment, settings.local_sandbox)
+                env = _sandbox_environment(route, environment, settings)
             elif settings.agent.name == "terminus-2":
                 # Host-side LiteLLM: the relay's host URL, the rollout's token as its key
                 # (scrubbed from the trial's files in finalize).
@@ -391,7 +397,7 @@ class TrialPhases(RolloutPhases):
 
 
 def _sandbox_environment(
-    route: PolicyRoute, environment: EnvironmentConfig, local: bool
+    route: PolicyRoute, environment: EnvironmentConfig, settings: TrialSettings
 ) -> dict[str, str]:
     """Environment variables for an agent installed in the sandbox: the relay route only.
 
@@ -399,10 +405,12 @@ def _sandbox_environment(
     127.0.0.1; other sandboxes through the relay's advertised URL. Raises
     ``RolloutValidationError`` for a route without a relay (the upstream key stays out).
     """
-    if local:
+    if settings.local_sandbox:
         base = route.sandbox_base_url(forwarder_port=RELAY_PORT)
         environment.kwargs["relay_socket"] = str(route.relay_socket)
         environment.kwargs["relay_port"] = RELAY_PORT
     else:
         base = route.sandbox_base_url()
+        if settings.remote_sandbox:  # it refuses to start where it cannot reach the relay
+            environment.kwargs["relay_url"] = base
     return route.environment(base)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import anyio
 from harbor.models.trial.result import TrialResult
@@ -33,3 +34,71 @@ async def run_to_end(trial: Trial) -> TrialResult:
             with contextlib.suppress(BaseException):
                 task.exception()  # retrieved: its outcome no longer matters
         raise
+
+
+class _AppendPerRecord(logging.FileHandler):
+    """A trial log that holds no file descriptor between records."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        self.close()  # the next record reopens it, in append mode
+
+
+def hold_no_log_file(trial: Trial) -> None:
+    """Swap the trial's log handler for one that opens ``trial.log`` per record.
+
+    Harbor keeps each trial's log open for the trial's life: one descriptor per rollout in
+    flight, which runs thousands of rollouts into the process's limit.
+    """
+    old = trial._log_handler
+    if not isinstance(old, logging.FileHandler) or isinstance(old, _AppendPerRecord):
+        return
+    new = _AppendPerRecord(old.baseFilename, delay=True)
+    new.setLevel(old.level)
+    new.setFormatter(old.formatter)
+    trial.logger.removeHandler(old)
+    old.close()
+    trial.logger.addHandler(new)
+    trial._log_handler = new
+
+
+_suffixes: set[str] = set()  # names Harbor gives below a trial's logger (".harbor.agents")
+_recent: dict[str, None] = {}  # finished trials' loggers, for the next sweep (oldest first)
+_swept_at = 0  # the registry's size after the last sweep
+
+
+def forget_loggers(trial: Trial) -> None:
+    """Drop the loggers Harbor made for this trial (about eight) once it is over.
+
+    Harbor names a logger (and its environment's and agent's) after each trial, and the
+    logging module keeps every logger ever named: a long-running orchestrator would keep them
+    all. The names below a trial's are learnt by an occasional sweep (when the registry has
+    doubled), then dropped directly: constant work per trial however many run.
+    """
+    global _swept_at
+    registry = logging.Logger.manager.loggerDict
+    name = trial.logger.name
+    for suffix in ("", *_suffixes):
+        registry.pop(name + suffix, None)
+    _recent[name] = None
+    if len(_recent) > 4096:
+        del _recent[next(iter(_recent))]
+    if len(registry) < max(256, 2 * _swept_at):
+        return
+    for key in list(registry):
+        owner = _finished_owner(key)
+        if owner is not None:
+            _suffixes.add(key[len(owner) :])
+            del registry[key]
+    _recent.clear()
+    _swept_at = len(registry)
+
+
+def _finished_owner(key: str) -> str | None:
+    """The finished trial's logger name ``key`` is or is below, if any."""
+    end = len(key)
+    while end > 0:
+        if key[:end] in _recent:
+            return key[:end]
+        end = key.rfind(".", 0, end)
+    return None

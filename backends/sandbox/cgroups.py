@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,17 +101,33 @@ def _enable_v2_controllers(root: Path, controllers: set[str]) -> None:
             _write(parent / "cgroup.subtree_control", wanted)
 
 
+@dataclass(frozen=True)
+class Join:
+    """Where a new process goes: born into the v2 group `v2_dir`, then into each v1 group.
+
+    Never by writing `cgroup.procs`: moving a process that way takes a host-wide lock whose
+    write side waits for an RCU grace period (measured 10-15 ms a move on a loaded host, on
+    every start and exec). The spawner forks the process straight into `v2_dir` (clone3's
+    CLONE_INTO_CGROUP), and the still single-threaded child moves itself into each v1 group
+    through `tasks` ("0": the calling thread, which the kernel moves without that lock).
+    """
+
+    v1_tasks: tuple[str, ...] = ()
+    v2_dir: str | None = None
+
+
 class SandboxCgroup:
     """The cgroups of one sandbox: limits on every hierarchy, one kill switch.
 
-    Processes join by writing their pid into `procs_files()` (the launcher does it between
-    fork and exec, so nothing escapes by forking early). Each `exec` gets a child group in the
-    v2 tree so a timeout kills that command's tree and leaves the rest of the sandbox alone.
+    Processes join as `join()` says (the spawner does it between fork and exec, so nothing
+    escapes by forking early). Each `exec` gets a child group in the v2 tree so a timeout
+    kills that command's tree and leaves the rest of the sandbox alone.
     """
 
     def __init__(self, name: str, lay: Layout | None = None) -> None:
         self.name = name
         self.layout = lay or layout()
+        self._path = f"/{GROUP}/{name}"  # as /proc/PID/cgroup shows its groups
         self._dirs: list[Path] = []
         self.v2_dir: Path | None = None
         # Plain strings: these run on every start and exec, where pathlib's cost shows.
@@ -121,14 +138,16 @@ class SandboxCgroup:
             self.v2_dir = Path(self._v2_str)
             self._dirs.append(self.v2_dir)
             seen.add(self._v2_str)
-        v1_procs: list[str] = []
+        v1_dirs: list[str] = []
         for mount in self.layout.v1.values():
             d = f"{mount}/{GROUP}/{name}"
             if d not in seen:
                 seen.add(d)
                 self._dirs.append(Path(d))
-            v1_procs.append(f"{d}/cgroup.procs")
-        self._v1_procs = list(dict.fromkeys(v1_procs))
+            v1_dirs.append(d)
+        v1_dirs = list(dict.fromkeys(v1_dirs))
+        self._v1_procs = [f"{d}/cgroup.procs" for d in v1_dirs]
+        self._v1_tasks = tuple(f"{d}/tasks" for d in v1_dirs)
 
     def create(self, limits: Limits) -> None:
         """Make the groups and write the limits.
@@ -192,12 +211,10 @@ class SandboxCgroup:
             else:
                 _write(d / "cpu.max", f"{quota} {CPU_PERIOD_US}")
 
-    def procs_files(self, sub: str = "init") -> list[str]:
-        """cgroup.procs files a new process must join: v1 groups and a v2 child group."""
-        files = list(self._v1_procs)
-        if self._v2_str is not None:
-            files.append(f"{self._v2_str}/{sub}/cgroup.procs")
-        return list(dict.fromkeys(files))
+    def join(self, sub: str = "init") -> Join:
+        """How a new process joins the sandbox: its v1 groups and the v2 child group `sub`."""
+        v2 = f"{self._v2_str}/{sub}" if self._v2_str is not None else None
+        return Join(self._v1_tasks, v2)
 
     def teardown_request(self) -> dict[str, object]:
         """How the spawner kills this sandbox if its owner dies (see zygote._kill_sandbox)."""
@@ -264,6 +281,52 @@ class SandboxCgroup:
     def members(self) -> list[int]:
         return [p for d in self._dirs for p in _members(d)]
 
+    async def kill_all_but(self, keep: Collection[int], limit_sec: float = KILL_WAIT_SEC) -> bool:
+        """SIGKILL every process of the sandbox but the pids `keep`; True once they are gone.
+
+        Every v2 exec group goes whole (cgroup.kill: a fork loop cannot outrun it); any other
+        member (where there is no cgroup.kill, or one forked by a hijacked pid 1 into its
+        group) is signalled through a pidfd, only after checking that the pid it holds is
+        still a member, so a number reused by a host process is never hit.
+        """
+        home = self.v2_dir / "init" if self.v2_dir is not None else None
+        deadline = time.monotonic() + limit_sec
+        while True:
+            left = False
+            if self.v2_dir is not None and self.layout.can_kill_tree:
+                for group in self.v2_dir.iterdir():
+                    if group.is_dir() and group != home and not _empty(group):
+                        left = True
+                        with contextlib.suppress(FileNotFoundError):
+                            _write(group / "cgroup.kill", "1")
+            for pid in set(self.members()) - set(keep):
+                left = True
+                self._kill_member(pid)
+            if not left:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await anyio.sleep(0.001)
+
+    def _kill_member(self, pid: int) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:  # read after the pidfd pinned the process
+                ours = any(
+                    line.split(":", 2)[-1].rstrip("/") == self._path
+                    or line.split(":", 2)[-1].startswith(self._path + "/")
+                    for line in f.read().splitlines()
+                )
+            if ours:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # gone meanwhile
+        finally:
+            os.close(pidfd)
+
     def remove(self) -> None:
         """Kill what is left, then remove the groups (children first)."""
         self.kill()
@@ -296,9 +359,11 @@ def _wait_empty(group: Path, timeout: float) -> None:
 
 
 def _rmtree_cgroup(d: Path, attempts: int = 200) -> None:
-    if not d.exists():
+    try:
+        children = [c for c in d.iterdir() if c.is_dir()]
+    except FileNotFoundError:  # gone already: another process reaping the same orphan
         return
-    for child in [c for c in d.iterdir() if c.is_dir()]:
+    for child in children:
         _rmtree_cgroup(child, attempts)
     for _ in range(attempts):
         try:

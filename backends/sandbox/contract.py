@@ -25,6 +25,9 @@ class Provider:
     environment_class: type[BaseEnvironment]
     # Features the suite may probe; a provider that lacks one skips those checks honestly.
     enforces_limits: bool = True
+    # Local-only knobs and internals (host binds, disk images, cgroups, pids_limit, dying
+    # with its owner); a remote provider's sandboxes outlive their owner until reaped.
+    local_internals: bool = True
 
     def make(
         self,
@@ -73,6 +76,32 @@ def _local_class() -> type[BaseEnvironment]:
     return LocalSandbox
 
 
+def _skypilot_available() -> str | None:
+    from backends.sandbox import skysdk
+    from backends.sandbox.errors import HostPrerequisiteError
+
+    try:
+        skysdk.load()
+        skysdk.require_api_server()
+    except HostPrerequisiteError as exc:
+        return str(exc)
+    return _local_available()  # the fake SDK runs its pods as local sandboxes
+
+
+def _skypilot_class() -> type[BaseEnvironment]:
+    from backends.sandbox.skypilot import SkyPilotSandbox
+
+    return SkyPilotSandbox
+
+
 PROVIDERS = [
     Provider(name="local-sandbox", available=_local_available, environment_class=_local_class()),
+    # Against the fake SDK in tests/skyfake (real commands in local sandboxes underneath), or
+    # the real Platform SDK when one is installed and configured.
+    Provider(
+        name="skypilot",
+        available=_skypilot_available,
+        environment_class=_skypilot_class(),
+        local_internals=False,
+    ),
 ]

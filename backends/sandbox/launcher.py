@@ -42,6 +42,7 @@ from typing import Any
 import anyio
 
 from backends.sandbox import seccomp
+from backends.sandbox.cgroups import Join
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
 from backends.sandbox.settings import UID_BASE, UID_COUNT
 
@@ -71,7 +72,7 @@ class BootSpec:
     upper: Path
     work: Path
     merged: Path
-    cgroup_procs: Sequence[str]
+    cgroup: Join
     network: bool = False  # True: a NAT'd uplink will be attached (network_mode = "public")
     resolv_conf: str = "/etc/resolv.conf"  # bound at /etc/resolv.conf when `network`
     binds: Sequence[Bind] = field(default_factory=list)
@@ -240,6 +241,9 @@ def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: 
     return True
 
 
+NO_CGROUP = Join()  # host infrastructure (the network uplink): stays in the spawner's cgroups
+
+
 class Spawner:
     """Client of the spawner process (`backends/sandbox/zygote.py`); one per owner process."""
 
@@ -285,14 +289,14 @@ class Spawner:
         *,
         env: dict[str, str],
         fds: Sequence[int],
-        cgroup_procs: Sequence[str],
+        cgroup: Join = NO_CGROUP,
         boot: dict[str, object] | None = None,
         enter: dict[str, object] | None = None,
         enter_pidfd: int = -1,
         uid_base: int = UID_BASE,
         hold: int = -1,
     ) -> SandboxProcess:
-        """Start argv with `fds` as its fds 0, 1, 2, ... after joining `cgroup_procs`.
+        """Start argv with `fds` as its fds 0, 1, 2, ..., in the cgroups `cgroup` names.
 
         With `enter` ({"uid", "gid", "groups"}) argv runs inside the live sandbox whose pid 1
         is the pidfd `enter_pidfd`, as that user, found on `env`'s PATH. With `boot`, a new
@@ -310,7 +314,8 @@ class Spawner:
             "argv": list(argv),
             "env": env,
             "fds": list(range(len(fds))),
-            "cgroups": list(cgroup_procs),
+            "cgroups": list(cgroup.v1_tasks),
+            "cgroup_dir": cgroup.v2_dir,
             "boot": boot,
             "uid_map": f"0 {uid_base} {UID_COUNT}\n",
             "enter": enter,
@@ -565,7 +570,7 @@ async def boot(spec: BootSpec) -> Booted:
                 # the host's variables have no business in the sandbox's /proc/1/environ).
                 env=BOOT_ENV,
                 fds=(keep_r, out_w, err_w, info_w, filter_r),
-                cgroup_procs=spec.cgroup_procs,
+                cgroup=spec.cgroup,
                 boot=_boot_request(spec),
                 uid_base=spec.uid_base,
                 hold=spec.uid_lease,

@@ -359,6 +359,15 @@ class LocalSandbox(BaseEnvironment):
         if box is not None:
             await box.stop()
 
+    async def end_processes(self) -> bool:
+        """Kill every process in the sandbox but its pid 1 (what an agent left running);
+        True once all are gone. From the host, without running a command inside.
+
+        Raises:
+            SandboxNotRunningError: not started, stopped, or the sandbox died.
+        """
+        return await self._require().end_processes()
+
     def _require(self) -> BwrapSandbox:
         if self._box is None:
             raise SandboxNotRunningError(f"sandbox {self.session_id} is not started")

@@ -91,7 +91,6 @@ async def connect(booted: launcher.Booted) -> Uplink:
                 argv,
                 env=launcher.BOOT_ENV,
                 fds=(null, null, err_w, exit_r, ready_w, netns),
-                cgroup_procs=(),
             )
         finally:
             for fd in (null, exit_r, ready_w, err_w, netns):

@@ -170,7 +170,7 @@ class BwrapSandbox:
             disk=self.dir / disk.IMAGE if self._disk_limited() else None,
             # Every sandbox mounts its overlay here, each in its own private mount namespace.
             merged=_shared_mount_point(),
-            cgroup_procs=self.cgroup.procs_files(),
+            cgroup=self.cgroup.join(),
             teardown=self.cgroup.teardown_request(),
             network=self.spec.network,
             resolv_conf=network.resolv_conf() if self.spec.network else "/etc/resolv.conf",
@@ -230,6 +230,20 @@ class BwrapSandbox:
     def _cleanup(self) -> None:
         self.cgroup.remove()
         _discard(self.dir)
+
+    async def end_processes(self) -> bool:
+        """SIGKILL every process of the sandbox but its pid 1, as `kill -KILL -1` by root
+        inside would, daemons included; True once they are gone (False: some survived).
+
+        Done from the host: it costs no command in the sandbox.
+
+        Raises:
+            SandboxNotRunningError: not started, stopped, or the sandbox died.
+        """
+        booted = self._booted
+        if booted is None or not booted.alive():
+            raise SandboxNotRunningError(f"sandbox {self.label} is not running")
+        return await self.cgroup.kill_all_but({booted.process.pid, booted.init_pid})
 
     async def resolve_user(self, user: str | int | None) -> User:
         """uid, gid and home of a user of this sandbox (looked up inside, then cached)."""
@@ -316,7 +330,7 @@ class BwrapSandbox:
                     argv,
                     env=full_env,
                     fds=(in_r, out_w, err_w),
-                    cgroup_procs=self.cgroup.procs_files(group),
+                    cgroup=self.cgroup.join(group),
                     enter={"uid": user.uid, "gid": user.gid, "groups": [user.gid, *user.groups]},
                     enter_pidfd=booted.init_fd,
                 )
@@ -776,3 +790,17 @@ def reap_orphans() -> list[str]:
     if removed:
         log.warning("removed %d orphaned sandbox(es): %s", len(removed), ", ".join(removed))
     return removed
+
+
+def list_sandboxes() -> list[tuple[str, bool]]:
+    """This cache's sandboxes on the host as (name, whether its owning process is alive)."""
+    base = run_dir()
+    found = []
+    for path in sorted(base.iterdir()) if base.is_dir() else []:
+        if path.is_dir() and path.name.startswith(sandbox_prefix()):
+            try:
+                alive = _owner_alive((path / "owner").read_text())
+            except FileNotFoundError:
+                alive = True  # being created right now (its owner record comes first)
+            found.append((path.name, alive))
+    return found

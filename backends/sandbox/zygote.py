@@ -14,8 +14,8 @@ booted through its cgroup, then exits.
 
 Protocol (one JSON document per message, file descriptors as SCM_RIGHTS):
 
-- request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [cgroup.procs
-  files], "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
+- request `{"id", "argv", "env", "fds": [target fd numbers], "cgroups": [v1 `tasks` files],
+  "cgroup_dir": the v2 group the child is born in, or null, "boot": null | {"options", "merged", "stages": [[source, point, read_only], ...], "disk": null |
   [image, point], "teardown": {"kill", "events", "procs"}}, "uid_map",
   "enter": null | {"uid", "gid", "groups"}}` with the fds to install at those numbers
   (every other fd is closed), and with `enter` the pidfd of the sandbox's pid 1 after them.
@@ -78,6 +78,8 @@ HIGH_FD = 100  # scratch fd numbers while installing the requested ones
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
 KEYCTL_JOIN_SESSION_KEYRING = 1
+SYS_CLONE3 = 435  # the same number on every architecture
+CLONE_INTO_CGROUP = 0x200000000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # Looked up here, once: a lookup in each forked child (dlsym plus a new function object)
@@ -125,6 +127,38 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+class _CloneArgs(ctypes.Structure):
+    _fields_ = tuple(
+        (name, ctypes.c_uint64)
+        for name in (
+            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size",
+            "tls", "set_tid", "set_tid_size", "cgroup",
+        )
+    )  # fmt: skip
+
+
+def _fork_into(cgroup_dir: str) -> int | None:
+    """fork(), the child born in the v2 cgroup `cgroup_dir`; None where clone3 is refused.
+
+    Moving a process in afterwards (writing cgroup.procs) waits for an RCU grace period, 10-15
+    ms on a loaded host, on every start and exec (see `cgroups.Join`). The raw clone3 skips
+    Python's and libc's after-fork bookkeeping, which this single-threaded process does not
+    need: the child only makes system calls until it execs.
+    """
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        args = _CloneArgs(flags=CLONE_INTO_CGROUP, exit_signal=signal.SIGCHLD, cgroup=fd)
+        pid = _syscall(ctypes.c_long(SYS_CLONE3), ctypes.byref(args), ctypes.sizeof(args))
+        if pid < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOSYS, errno.EPERM):  # old kernel, or a container's filter
+                return None
+            raise OSError(err, f"clone3 into {cgroup_dir}: {os.strerror(err)}")
+        return pid
+    finally:
+        os.close(fd)
+
+
 def _write_file(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -155,7 +189,8 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
             target = fcntl.fcntl(target, fcntl.F_DUPFD_CLOEXEC, HIGH_FD + MAX_FDS)
         _close_all_but({*high, err_w, go_r, *([] if target is None else [target])})
         # First, before anything can fork: every descendant stays inside the limits.
-        # ("0" is the writer itself, whichever pid namespace it was forked into.)
+        # ("0" is the writer itself, whichever pid namespace it was forked into; in a v1
+        # `tasks` file the calling thread, which is all of this single-threaded process.)
         for f in req["cgroups"]:
             _write_file(f, b"0")
         enter = req.get("enter")
@@ -432,7 +467,7 @@ class Spawner:
             if boot and boot.get("idmap"):  # the child's, for the idmapped layers
                 target = os.dup(self.idmap_userns(boot["idmap"]["map"]))
                 own.append(target)
-            pid = self.fork(None if boot else target)
+            pid = self.fork(None if boot else target, req)
         except OSError as e:
             for f in (*own, err_r, err_w, go_r, go_w, *([] if hold is None else [hold])):
                 os.close(f)
@@ -485,17 +520,22 @@ class Spawner:
         self.userns[uid_map] = fd
         return fd
 
-    def fork(self, target: int | None) -> int:
-        """fork(); with `target` (a pidfd), the child is born in that process's pid namespace."""
-        if target is None:
-            return os.fork()
-        os.setns(target, CLONE_NEWPID)  # only our future children's pid namespace changes
+    def fork(self, target: int | None, req: dict) -> int:
+        """fork() into the request's v2 cgroup; with `target` (a pidfd), into that process's
+        pid namespace too."""
+        if target is not None:
+            os.setns(target, CLONE_NEWPID)  # only our future children's pid namespace changes
         try:
-            pid = os.fork()
+            pid = _fork_into(req["cgroup_dir"]) if req.get("cgroup_dir") else None
+            if pid is None:
+                if req.get("cgroup_dir"):  # the slow way: the child moves itself in
+                    req["cgroups"].append(f"{req['cgroup_dir']}/cgroup.procs")
+                pid = os.fork()
         except OSError:
-            os.setns(self.own_pidns, CLONE_NEWPID)
+            if target is not None:
+                os.setns(self.own_pidns, CLONE_NEWPID)
             raise
-        if pid:
+        if pid and target is not None:
             os.setns(self.own_pidns, CLONE_NEWPID)
         return pid
 

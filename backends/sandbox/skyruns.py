@@ -1,0 +1,181 @@
+"""Which run owns which SkyPilot sandbox, so none outlives its run for long.
+
+Every sandbox name starts ``bk-<run id>-``. The run id is this process's, recorded with its
+owner (pid and start time) under ``$BACKENDS_HOME/skypilot-runs/`` when it creates its first
+sandbox. At exit the run terminates what it still holds; after a crash, the next start (or
+``backends sandbox reap``) finds the runs whose owner is gone and terminates their sandboxes.
+A sandbox whose run is not recorded on this host belongs to someone else and is left alone;
+its lifetime (``ttl_sec``) reaps it in the end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+from harbor.environments.skypilot import _sanitize_dns_name
+
+from backends.rollout.artifacts import ENV_HOME
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"^bk-([0-9a-f]{8})-")
+MAX_NAME = 53  # Harbor 0.25.0's limit for sandbox names (not documented by SkyPilot)
+
+
+def runs_dir() -> Path:
+    home = os.environ.get(ENV_HOME)
+    return (Path(home) if home else Path.home() / ".backends") / "skypilot-runs"
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass
+class Run:
+    id: str
+    registered: bool = False
+    live: set[str] = field(default_factory=set)  # names created and not yet terminated
+
+    @property
+    def record(self) -> Path:
+        return runs_dir() / self.id
+
+    def register(self) -> None:
+        """Record this process as the run's owner (once), before its first sandbox."""
+        if self.registered:
+            return
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        self.record.write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        self.registered = True
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Terminate what this run still holds (a crash skips this; the next start reaps)."""
+        if self.live:
+            from backends.sandbox import skysdk
+
+            with contextlib.suppress(Exception):
+                terminate(skysdk.load(), sorted(self.live))
+        self.live.clear()
+        with contextlib.suppress(FileNotFoundError):
+            self.record.unlink()
+
+
+_current: Run | None = None
+
+# This process's sandbox creations: attempts, and retries of transient failures among them.
+counters = {"creates": 0, "create_retries": 0}
+
+
+def current() -> Run:
+    global _current
+    if _current is None:
+        _current = Run(uuid.uuid4().hex[:8])
+    return _current
+
+
+def sandbox_name(run: Run, session_id: str, retry: int = 1) -> str:
+    """A DNS-safe name of at most 53 characters that keeps the run's prefix."""
+    prefix = f"bk-{run.id}-"
+    suffix = f"-r{retry}" if retry > 1 else ""
+    return prefix + _sanitize_dns_name(f"{session_id}{suffix}", max_len=MAX_NAME - len(prefix))
+
+
+def run_of(name: str) -> str | None:
+    match = NAME.match(name)
+    return match.group(1) if match else None
+
+
+def owner_state(run_id: str) -> str:
+    """``"alive"``, ``"dead"`` (recorded here, its owner gone) or ``"unknown"`` (not ours)."""
+    try:
+        pid, start = (runs_dir() / run_id).read_text().split()
+    except (FileNotFoundError, ValueError):
+        return "unknown"
+    return "alive" if _start_time(int(pid)) == start else "dead"
+
+
+_admission: dict[tuple[int, int], anyio.Semaphore] = {}
+
+
+@contextlib.asynccontextmanager
+async def admission(limit: int) -> AsyncIterator[None]:
+    """At most ``limit`` creations in flight in this process (per event loop)."""
+    import asyncio
+
+    key = (id(asyncio.get_running_loop()), limit)
+    sem = _admission.get(key)
+    if sem is None:
+        sem = _admission[key] = anyio.Semaphore(limit)
+    async with sem:
+        yield
+
+
+def terminate(sdk: ModuleType, names: list[str]) -> list[str]:
+    """Terminate these sandboxes by name (sync SDK); returns the names terminated."""
+    done = []
+    by_name = {s.name: s for s in sdk.ls()}
+    for name in names:
+        box = by_name.get(name)
+        if box is None:
+            continue
+        try:
+            box.terminate(wait=True)
+            done.append(name)
+        except Exception as exc:
+            log.warning("could not terminate SkyPilot sandbox %s: %s", name, exc)
+    return done
+
+
+def listing(sdk: ModuleType) -> list[dict[str, Any]]:
+    """This server's sandboxes with the run that owns each and its owner's state."""
+    rows = []
+    for box in sdk.ls():
+        run_id = run_of(box.name)
+        rows.append(
+            {
+                "name": box.name,
+                "status": getattr(box, "status", "?"),
+                "run": run_id,
+                "owner": owner_state(run_id) if run_id else "not ours",
+            }
+        )
+    return rows
+
+
+def reap(sdk: ModuleType, runs: set[str] | None = None) -> list[str]:
+    """Terminate the sandboxes of runs whose owner died (or of ``runs``, if named).
+
+    Returns the names terminated; forgets each dead run's record once it holds nothing.
+    """
+    rows = listing(sdk)
+    doomed = [
+        r["name"]
+        for r in rows
+        if r["run"] and (r["run"] in runs if runs is not None else r["owner"] == "dead")
+    ]
+    done = terminate(sdk, doomed) if doomed else []
+    left = {run_of(r["name"]) for r in rows if r["name"] not in done}
+    for record in runs_dir().glob("*") if runs_dir().is_dir() else []:
+        if record.name not in left and owner_state(record.name) == "dead":
+            record.unlink(missing_ok=True)
+    if done:
+        log.warning(
+            "terminated %d SkyPilot sandbox(es) of dead runs: %s", len(done), ", ".join(done)
+        )
+    return done
