@@ -134,9 +134,7 @@ def write_report(run_dir: Path) -> ReportSummary:
         manifest=manifest,
         metrics=metrics,
         inputs=_inputs(manifest),
-        charts=_charts(
-            metrics, [r.reward for r in current.values() if _finite(r.reward) is not None]
-        ),
+        charts=_charts(metrics, [r.reward for r in current.values() if r.reward is not None]),
         rows_json=Markup(_script_json({"fields": ROW_FIELDS, "rows": rows})),
         style=Markup(style),
         script=Markup(script),
