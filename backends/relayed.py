@@ -11,6 +11,7 @@ advertised URL for agents inside sandboxes.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +31,8 @@ from backends.rollout.route import PolicyRoute
 TRACE_FIELD = POLICY_TRACE_FIELD  # the trace's key in a result's JSON form
 # Where a sample lists its assistant turns (message indexes) that no relayed call produced.
 UNRELAYED_FIELD = "unrelayed_assistant_turns"
+# How many policy calls attempts the backend started over from made (left out of the trace).
+DISCARDED_FIELD = "discarded_policy_calls"
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,11 @@ class RelayedBackend:
     A request's ``chat_completions_url`` and ``api_key`` become the rollout's upstream; with
     none, the relay's own upstream serves it. An agent failure whose trace shows the policy
     failing (an upstream 5xx, timeout or refused connection) is reported as ``policy_error``.
+
+    The route it hands the backend can be renewed (``PolicyRoute.renew``): a backend that
+    retries a rollout after its agent made policy calls gets a fresh registration and token,
+    the old token stops working, and the result's trace holds the last attempt's calls only
+    (``extra_fields["discarded_policy_calls"]`` counts the others).
     """
 
     def __init__(self, backend: ExecutionBackend, relay: Relay) -> None:
@@ -47,37 +55,25 @@ class RelayedBackend:
         self.relay = relay
 
     async def execute(self, request: RolloutRequest) -> RolloutResult:
-        rid = request.rollout_id
+        registration = Registration(self.relay, request)
         try:
-            grant = self.relay.register(
-                rid, upstream_url=request.chat_completions_url, upstream_api_key=request.api_key
-            )
+            route = registration.open()
         except ValueError as exc:
             return RolloutResult.failed(
-                rid,
+                request.rollout_id,
                 RolloutFailure(
                     category=ErrorCategory.VALIDATION_ERROR, phase=Phase.SETUP, message=str(exc)
                 ),
             )
-        # Like the reference protocol, the URL is the OpenAI base URL (clients append
-        # /chat/completions); RolloutContext.base_url accepts either form. The upstream's URL
-        # and key go no further than the relay.
-        route = policy_route(self.relay, grant)
-        routed = request.model_copy(
-            update={
-                "chat_completions_url": route.base_url,
-                "api_key": route.api_key,
-                "policy_route": route,
-            }
-        )
         try:
-            result = await self.backend.execute(routed)
+            result = await self.backend.execute(route.onto(request))
         finally:
-            # Shielded: a cancelled rollout must still revoke its token. `aend` builds the
-            # trace (parsing every call) on a worker thread, off the event loop.
-            with anyio.CancelScope(shield=True):
-                trace = await self.relay.aend(rid)
-        return attach_trace(result, trace)
+            trace = await registration.close()
+        result = attach_trace(result, trace)
+        if registration.discarded_calls:
+            # Calls of attempts the backend started over from: not in the trace, counted.
+            result.extra_fields[DISCARDED_FIELD] = registration.discarded_calls
+        return result
 
     async def start(self) -> None:
         await start_backend(self.backend)
@@ -104,6 +100,50 @@ class RelayedBackend:
         if name == "backend":
             raise AttributeError(name)
         return getattr(self.backend, name)
+
+
+class Registration:
+    """A rollout's registration with the relay, renewable while the rollout runs.
+
+    ``open`` registers and returns the route (its ``renew`` set); ``route.renew()`` ends the
+    current registration, so its token is refused from then on and its calls leave the
+    trace (counted in ``discarded_calls``), then opens a fresh one with a new token: a
+    backend retrying after policy calls were made starts over clean. ``close`` ends the
+    last one and returns its trace.
+    """
+
+    def __init__(self, relay: Relay, request: RolloutRequest) -> None:
+        self.relay = relay
+        self.rollout_id = request.rollout_id
+        # The upstream stays the relay's: the request's own URL and key go no further.
+        self._upstream = {
+            "upstream_url": request.chat_completions_url,
+            "upstream_api_key": request.api_key,
+        }
+        self.discarded_calls = 0
+        self._live = False
+
+    def open(self) -> PolicyRoute:
+        """Register; raises ``ValueError`` as ``Relay.register`` does."""
+        grant = self.relay.register(self.rollout_id, **self._upstream)
+        self._live = True
+        # Like the reference protocol, the URL is the OpenAI base URL (clients append
+        # /chat/completions); RolloutContext.base_url accepts either form.
+        return policy_route(self.relay, grant).model_copy(update={"renew": self.renew})
+
+    async def renew(self) -> PolicyRoute:
+        self.discarded_calls += len((await self.close()).calls)
+        return self.open()
+
+    async def close(self) -> RolloutTrace:
+        if not self._live:  # a renewal failed to register again: nothing since
+            return RolloutTrace(rollout_id=self.rollout_id, registered_at=time.time())
+        self._live = False
+        # Shielded: a cancelled rollout must still revoke its token. `aend` revokes it at
+        # once, then builds the trace (parsing every call) on a worker thread.
+        with anyio.CancelScope(shield=True):
+            trace = await self.relay.aend(self.rollout_id)
+        return trace
 
 
 def policy_route(relay: Relay, grant: Grant) -> PolicyRoute:

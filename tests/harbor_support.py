@@ -9,9 +9,11 @@ from __future__ import annotations
 import shlex
 from collections import Counter
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from harbor.agents.base import BaseAgent
+from harbor.agents.installed import strands as strands_agent
+from harbor.agents.installed.strands import Strands
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 
@@ -114,6 +116,149 @@ class Answers(_ShellAgent):
     """Writes the instruction's last word to /app/answer.txt (a template-mode agent)."""
 
     script = "mkdir -p /app && echo {instruction} | awk '{{print $NF}}' > /app/answer.txt"
+
+
+class StallsTransfers(_ShellAgent):
+    """Replaces the sandbox's tar with one that hangs, so every later transfer stalls."""
+
+    script = "printf '#!/bin/sh\\nexec sleep 876543\\n' > /usr/bin/tar; chmod 755 /usr/bin/tar"
+
+
+class EndsPid1ByPtrace(_ShellAgent):
+    """Instead of doing the task, tries to end the sandbox: traces its pid 1 and resumes it
+    with SIGKILL (what the host's own kill looks like)."""
+
+    script = (
+        "python3 - <<'EOF'\n"
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+        "if libc.ptrace(16, 1, None, None) == 0:  # PTRACE_ATTACH\n"
+        "    os.waitpid(1, 0)\n"
+        "    libc.ptrace(7, 1, None, ctypes.c_void_p(9))  # PTRACE_CONT with SIGKILL\n"
+        "EOF"
+    )
+
+
+class EndsPid1ThroughItsMemory(_ShellAgent):
+    """Instead of doing the task, ends the sandbox: writes exit_group(0) over pid 1's code
+    where its blocked read returns (through /proc/1/mem), then interrupts that read."""
+
+    script = (
+        "python3 - <<'EOF'\n"
+        "import os, signal, time\n"
+        "pc = int(open('/proc/1/syscall').read().split()[-1], 16)\n"
+        "fd = os.open('/proc/1/mem', os.O_RDWR)\n"
+        "os.pwrite(fd, bytes.fromhex('b8e700000031ff0f05'), pc - 2)  # exit_group(0)\n"
+        "os.kill(1, signal.SIGCHLD)\n"
+        "time.sleep(1)\n"
+        "EOF"
+    )
+
+
+class OfflineStrands(Strands):
+    """Harbor's own installed Strands agent, with only its install step replaced.
+
+    The real install downloads uv, a Python and strands-agents, none of which this machine
+    can reach; this one points the agent's venv at an environment bound into the sandbox
+    (a rollout bundle's, which holds strands-agents). The rest is Harbor's: its runner, and
+    the model connection it builds from the agent's environment variables (the route).
+    """
+
+    def __init__(self, *args: Any, python: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.offline_python = python
+
+    async def install(self, environment: BaseEnvironment) -> None:
+        runner = Path(strands_agent.__file__).with_name(self._RUNNER_PATH.name)
+        local = self.logs_dir / runner.name
+        local.write_text(runner.read_text())
+        wrapper = self.logs_dir / "python"
+        wrapper.write_text(f'#!/bin/sh\nexec {self.offline_python} "$@"\n')
+        wrapper.chmod(0o755)
+        await environment.exec(f"mkdir -p {self._PYTHON.parent}", user="root")
+        await environment.upload_file(local, str(self._RUNNER_PATH))
+        await environment.upload_file(wrapper, str(self._PYTHON))
+        staged = self._stage_factory_source()
+        if staged is not None:
+            await environment.upload_dir(staged, str(self._FACTORY_DIR))
+
+
+async def kill_from_the_host(environment: BaseEnvironment) -> None:
+    """SIGKILL the sandbox's pid 1 from the host, as an operator or a failing machine would."""
+    import os
+    import signal
+
+    found = await environment.exec("readlink /proc/1/ns/pid", user="root")
+    os.kill(_init_of(found.stdout.strip()), signal.SIGKILL)
+
+
+def _init_of(namespace: str) -> int:
+    """The host pid of the process that is pid 1 in the pid namespace ``namespace``."""
+    import os
+
+    for entry in os.listdir("/proc"):
+        try:
+            if not entry.isdigit() or os.readlink(f"/proc/{entry}/ns/pid") != namespace:
+                continue
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        nspid = next(line for line in status.splitlines() if line.startswith("NSpid:"))
+        if nspid.split()[-1] == "1":
+            return int(entry)
+    raise AssertionError(f"no pid 1 in {namespace}")
+
+
+class LosesSandboxAfterPolicyCall(_ShellAgent):
+    """Calls the policy (host side, through the route it is given) and records the token,
+    one line per attempt, in ``record``; on its first attempt its sandbox is then killed from
+    the host: an infrastructure failure after policy calls were made. Later attempts first
+    try the earlier tokens and record the status codes they got."""
+
+    def __init__(
+        self,
+        logs_dir: Path,
+        model_name: str | None = None,
+        *args: object,
+        policy_base_url: str | None = None,
+        policy_api_key: str | None = None,
+        record: str = "",
+        **kwargs: object,
+    ) -> None:
+        super().__init__(logs_dir, model_name, *args, **kwargs)  # type: ignore[arg-type]
+        self.base_url, self.token, self.record = policy_base_url, policy_api_key, Path(record)
+
+    async def run(
+        self, instruction: str, environment: BaseEnvironment, context: AgentContext
+    ) -> None:
+        import httpx
+
+        earlier = _lines(self.record)
+        body = {"model": "policy", "messages": [{"role": "user", "content": "What is 6 * 7?"}]}
+        async with httpx.AsyncClient(timeout=30) as http:
+
+            async def call(token: str | None) -> int:
+                headers = {"authorization": f"Bearer {token}"}
+                reply = await http.post(
+                    f"{self.base_url}/chat/completions", json=body, headers=headers
+                )
+                return reply.status_code
+
+            old_statuses = [await call(token) for token in earlier]
+            assert await call(self.token) == 200
+        _note(self.record, f"{self.token} {old_statuses}")
+        if not earlier:
+            await kill_from_the_host(environment)
+
+
+def _lines(path: Path) -> list[str]:
+    return [line.split()[0] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _note(path: Path, line: str) -> None:
+    with path.open("a") as out:
+        out.write(line + "\n")
 
 
 def write_task(root: Path, name: str, *, test: str, solve: str = "true", toml: str = "") -> Path:

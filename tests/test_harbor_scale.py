@@ -88,3 +88,43 @@ async def test_many_rollouts_leave_nothing_behind(
 
     executor = asyncio.get_running_loop()._default_executor  # type: ignore[attr-defined]
     assert executor is not None and executor._max_workers >= 256
+
+
+def test_failed_trial_retention_scans_the_directory_once_and_survives_races(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from backends.harbor.files import Retention
+
+    trials = tmp_path / "trials"
+    for i in range(30):
+        (trials / f"old-{i}").mkdir(parents=True)
+    retention = Retention(max_failed=10)
+    (trials / "first").mkdir()
+    retention.finish(trials / "first", succeeded=False)
+    assert len(list(trials.iterdir())) == 10
+    # From now on a finishing trial never lists the directory (thousands may be in flight),
+    # and a directory removed meanwhile by someone else is no error.
+    monkeypatch.setattr(Path, "iterdir", lambda self: (_ for _ in ()).throw(AssertionError))
+    errors: list[BaseException] = []
+
+    def finish(start: int) -> None:
+        for i in range(start, start + 25):
+            path = trials / f"new-{i}"
+            path.mkdir()
+            if i % 5 == 0:
+                path.rmdir()  # gone before its own finish
+            try:
+                retention.finish(path, succeeded=False)
+            except BaseException as exc:
+                errors.append(exc)
+
+    workers = [threading.Thread(target=finish, args=(k * 100,)) for k in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
+    monkeypatch.undo()
+    assert len(list(trials.iterdir())) == 10

@@ -102,9 +102,10 @@ async def test_credentials_in_the_upstream_url_are_basic_auth_and_never_shown() 
         grant = relay.register("down")
         status, text = await post(grant.base_url, grant.token, {"messages": MESSAGES})
         trace = relay.end("down")
-    assert status == 502 and "could not connect" in text
-    assert parsed.base_url in text  # the URL is still named, without its credentials
-    assert password not in text
+    assert status == 502 and "could not be reached" in text
+    # The trace (host side) names the URL, without its credentials; the agent learns neither.
+    assert parsed.base_url in (trace.calls[0].error_message or "")
+    assert "127.0.0.1" not in text and password not in text
     assert password not in trace.model_dump_json()
 
     # Reachable, the URL's credentials are the upstream's Basic auth; an explicit key wins.
@@ -204,7 +205,8 @@ async def test_a_request_the_upstream_worked_on_before_dropping_it_is_not_resent
         expensive = {"messages": [{"role": "user", "content": "expensive"}]}
         status, text = await post(grant.base_url, grant.token, expensive)
         trace = relay.end("r1")
-    assert status == 502 and "closed the connection before answering" in text
+    assert status == 502 and "dropped the connection" in text
+    assert "closed the connection before answering" in (trace.calls[1].error_message or "")
     assert len(received) == 2  # the expensive request reached the upstream once
     assert trace.calls[1].error is CallError.CONNECTION and trace.calls[1].attempts == 1
 
@@ -234,3 +236,43 @@ async def test_an_agent_hanging_up_closes_the_upstream_call(stream: bool) -> Non
         call = relay.end("r1").calls[0]
     assert hung_up_after[0] < 1
     assert call.error is CallError.CLIENT_DISCONNECTED and not call.is_policy_failure
+
+
+async def test_the_agent_never_learns_the_upstreams_address_from_an_error() -> None:
+    """Connect failure, a dropped call and a stream broken mid-way: the agent's error body or
+    SSE event says what failed, the trace (host side) says where; the sandbox must not learn
+    the upstream's URL (it could aim at the trainer's endpoint, which holds no rollout token)."""
+    secret_host = "127.0.0.1"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await read_request(reader)
+        if b'"stream": true' in request or b'"stream":true' in request:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            chunk = b"data: " + json.dumps(completion({})).encode() + b"\n\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+        writer.transport.abort()  # mid-stream, or before any answer
+
+    down = f"http://{secret_host}:{closed_port()}/v1"
+    async with raw_upstream(serve) as url, Relay(upstream_url=url) as relay:
+        port = url.split(":")[2].split("/")[0]
+        seen: list[str] = []
+        for rollout, upstream, stream in (
+            ("refused", down, False),
+            ("dropped", url, False),
+            ("broken-stream", url, True),
+        ):
+            grant = relay.register(rollout, upstream_url=upstream)
+            body = {"messages": MESSAGES, "stream": stream}
+            status, text = await post(grant.base_url, grant.token, body)
+            trace = relay.end(rollout)
+            seen.append(text)
+            assert status in (200, 502), text
+            assert "upstream" in text and "error" in text
+            recorded = trace.calls[0].error_message or ""
+            assert upstream.rsplit("/", 1)[0] in recorded  # the operator still sees where
+    for text in seen:
+        assert secret_host not in text and port not in text and "/v1" not in text, text

@@ -258,9 +258,14 @@ def platform_tags(platform: str) -> list[str]:
 def _resolve(
     stage: Path, deps: list[str], package_wheel: Path, *, python: str, platform: str
 ) -> str:
-    """Pin every dependency for the target; ``this package`` comes from its own wheel."""
+    """Pin every dependency for the target; ``this package`` comes from its own wheel, with
+    the extras the project asks of it (``backends[strands]``)."""
     lines = [d for d in deps if _requirement_name(d) != PACKAGE]
-    lines.append(f"{PACKAGE} @ {package_wheel.as_uri()}")
+    extras = sorted(
+        {e for d in deps if _requirement_name(d) == PACKAGE for e in Requirement(d).extras}
+    )
+    wanted = f"{PACKAGE}[{','.join(extras)}]" if extras else PACKAGE
+    lines.append(f"{wanted} @ {package_wheel.as_uri()}")
     (stage / "requirements.in").write_text("\n".join(lines) + "\n")
     # uv spells the target "<arch>-manylinux_2_NN".
     match = re.fullmatch(r"manylinux_(2_\d+)_(\w+)", platform)

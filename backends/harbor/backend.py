@@ -92,11 +92,14 @@ class HarborBackend:
 
     ``environment`` picks the sandbox (``"local"`` by default). ``max_concurrent`` bounds
     trials running at once; ``max_queue_depth`` bounds those waiting for a slot, past which
-    ``has_capacity()`` is false (the server answers 429). An infrastructure failure before the
-    agent started (a sandbox that would not start or stay healthy, agent setup) retries with a
-    fresh sandbox, up to ``infra_attempts`` trials in all; later ones (when the agent may have
-    made policy calls) are reported as retryable ``infra_error`` for the caller to resubmit.
-    None of them is ever a reward.
+    ``has_capacity()`` is false (the server answers 429). An infrastructure failure (a sandbox
+    that would not start or stay healthy, agent setup, a sandbox lost mid-run) retries with a
+    fresh sandbox, up to ``infra_attempts`` trials in all. Once the agent may have made policy
+    calls, a retry also takes a fresh relay registration (under ``RelayedBackend``: a new
+    token, the old one refused, the trace holding the retried attempt's calls alone);
+    without a relay such a failure is returned as a retryable ``infra_error`` for the caller
+    to resubmit. None of them is ever a reward. A sandbox ended by what ran inside it (its
+    pid 1 exited, the OOM killer) is the agent's (or the tests') failure, not retried.
 
     Files: trials run in ``trials_dir`` (default ``$BACKENDS_HOME/trials``); a successful
     trial's directory is removed once collected (``cleanup_successful_trials``), failed ones
@@ -290,13 +293,28 @@ class HarborBackend:
                 self._drained.set()
 
     async def _attempts(self, request: RolloutRequest, tracked: Tracked) -> RolloutResult:
-        """Run the rollout's trial; retry an infrastructure failure before the agent ran."""
+        """Run the rollout's trial; retry an infrastructure failure with a fresh sandbox.
+
+        After the agent may have called the policy, a retry needs a fresh relay registration
+        too (the route's ``renew``), so the trace holds the retried attempt's calls alone;
+        without one the failure is returned, retryable, for the caller to resubmit.
+        """
         failures: list[str] = []
+        current = request
+        renew_first = False
 
         async def attempt() -> tuple[RolloutResult, bool]:
-            phases = TrialPhases(self.settings, request, tracked, len(failures) + 1)
+            nonlocal current, renew_first
+            route = current.policy_route
+            if renew_first and route is not None and route.renew is not None:
+                current = (await route.renew()).onto(current)
+            phases = TrialPhases(self.settings, current, tracked, len(failures) + 1)
             result = phases.complete(await run_phases(phases, limiter=self._limiter))
-            retry = bool(result.failure and result.failure.retryable and phases.retry_is_fresh)
+            renewable = route is not None and route.renew is not None
+            retry = bool(
+                result.failure and result.failure.retryable and (phases.retry_is_fresh or renewable)
+            )
+            renew_first = not phases.retry_is_fresh
             if retry and result.failure:
                 failures.append(result.failure.message)
             return result, retry

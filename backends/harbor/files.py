@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -18,9 +19,8 @@ import fsspec
 log = logging.getLogger(__name__)
 
 REDACTED = b"[redacted]"
-_SCAN_LIMIT = (
-    64 * 1024 * 1024
-)  # files larger than this are removed, not scanned, if they may hold a secret
+# Files larger than this are removed, not scanned, if they may hold a secret.
+_SCAN_LIMIT = 64 * 1024 * 1024
 
 
 # Paths the host can still open by name (the kernel's PATH_MAX is 4096) and a depth os.walk and
@@ -68,13 +68,9 @@ def scrub_secrets(root: Path, secrets: Iterable[str | None]) -> int:
     needles = sorted({s.encode() for s in secrets if s and len(s) >= 8}, key=len, reverse=True)
     if not needles:
         return 0
-    changed = 0
+    changed = drop_unscannable(root)
     for path in regular_files(root):
         try:
-            if path.stat().st_size > _SCAN_LIMIT:
-                path.unlink()
-                changed += 1
-                continue
             data = path.read_bytes()
             scrubbed = data
             for needle in needles:
@@ -87,6 +83,27 @@ def scrub_secrets(root: Path, secrets: Iterable[str | None]) -> int:
             path.unlink(missing_ok=True)
             changed += 1
     return changed
+
+
+def drop_unscannable(root: Path) -> int:
+    """Remove the files under ``root`` too large to scan for secrets; return how many.
+
+    What the sandbox left may be huge (a sparse file counts in full once downloaded); a
+    scrub that reads files whole (ours, and Harbor's own at the end of a trial) must never
+    read one of those. Fail closed: a file that may hold a secret and cannot be scanned goes.
+    """
+    removed = 0
+    for path in regular_files(root):
+        try:
+            if path.stat().st_size > _SCAN_LIMIT:
+                log.warning("%s: removing %s, too large to scan for secrets", root, path)
+                path.unlink()
+                removed += 1
+        except OSError as exc:
+            log.warning("cannot check %s (%s): removing it", path, exc)
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 class ArtifactSink:
@@ -135,12 +152,17 @@ class Retention:
     """How many failed trial directories stay, and how much disk they may take together.
 
     Successful trials are removed as soon as their results are collected (unless asked to
-    keep them); failed ones stay for diagnosis, oldest removed first past either bound.
+    keep them); failed ones stay for diagnosis, oldest removed first past either bound. The
+    trials directory is scanned once; after that each finished trial costs the same however
+    many others are in flight (their directories are never looked at again).
     """
 
     keep_successful: bool = False
     max_failed: int = 100
     max_failed_mb: int = 1024
+    _kept: dict[Path, tuple[float, int]] = field(default_factory=dict, compare=False)
+    _scanned: list[bool] = field(default_factory=list, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
 
     def finish(
         self, trial_dir: Path, *, succeeded: bool, active: frozenset[str] = frozenset()
@@ -148,31 +170,61 @@ class Retention:
         if succeeded and not self.keep_successful:
             shutil.rmtree(trial_dir, ignore_errors=True)
             return
-        self.prune(trial_dir.parent, active=active)
+        with self._lock:
+            if not self._scanned:
+                self._kept.update(_entries(trial_dir.parent, active | {trial_dir.name}))
+                self._scanned.append(True)
+            entry = _entry(trial_dir)
+            if entry is not None:
+                self._kept[trial_dir] = entry
+            doomed = _past_bounds(self._kept, self.max_failed, self.max_failed_mb)
+            for path in doomed:
+                del self._kept[path]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
 
     def prune(self, trials_dir: Path, *, active: frozenset[str] = frozenset()) -> list[Path]:
         """Remove the oldest trial directories past the bounds; return those removed.
 
         Directories named in ``active`` (trials still running) are neither counted nor removed.
         """
-        entries = []
-        for child in trials_dir.iterdir() if trials_dir.is_dir() else []:
-            if child.name in active:
-                continue
-            if child.is_dir() and not child.is_symlink():
-                entries.append((child.stat().st_mtime, child, _size(child)))
-        entries.sort(key=lambda entry: entry[0], reverse=True)  # newest first
-        budget = self.max_failed_mb * 1024 * 1024
-        kept = used = 0
-        removed = []
-        for _, path, size in entries:
-            if kept < self.max_failed and used + size <= budget:
-                kept += 1
-                used += size
-                continue
+        entries = _entries(trials_dir, active)
+        removed = _past_bounds(entries, self.max_failed, self.max_failed_mb)
+        for path in removed:
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
         return removed
+
+
+def _entry(path: Path) -> tuple[float, int] | None:
+    """(mtime, disk use) of a trial directory; None if it is not one (or is gone)."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return None
+        return path.stat().st_mtime, _size(path)
+    except FileNotFoundError:  # removed meanwhile (another trial's pruning)
+        return None
+
+
+def _entries(trials_dir: Path, active: frozenset[str]) -> dict[Path, tuple[float, int]]:
+    found = {}
+    for child in trials_dir.iterdir() if trials_dir.is_dir() else []:
+        if child.name not in active and (entry := _entry(child)) is not None:
+            found[child] = entry
+    return found
+
+
+def _past_bounds(entries: dict[Path, tuple[float, int]], count: int, mb: int) -> list[Path]:
+    """The directories to remove, oldest first past ``count`` or ``mb`` (newest kept)."""
+    budget = mb * 1024 * 1024
+    kept = used = 0
+    doomed = []
+    for path, (_, size) in sorted(entries.items(), key=lambda item: item[1][0], reverse=True):
+        if kept < count and used + size <= budget:
+            kept += 1
+            used += size
+        else:
+            doomed.append(path)
+    return doomed
 
 
 def _size(root: Path) -> int:

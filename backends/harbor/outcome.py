@@ -29,6 +29,9 @@ _SANDBOX_INVALID = frozenset(
 # A download the local sandbox refused for what it held (past a size limit): the agent's or
 # the tests' own output, which a fresh sandbox would produce again, so never infrastructure.
 _REFUSED_DOWNLOAD = re.compile(r"^backends\.sandbox\.unpack\.DownloadTooLargeError:", re.M)
+# A sandbox ended by what ran inside it (its pid 1 exited, the OOM killer): the agent's (or
+# the tests') doing, which a fresh sandbox would see again. Never a retried infra failure.
+_SANDBOX_ENDED_INSIDE = "SandboxEndedError"
 _TIMEOUTS = frozenset({"AgentTimeoutError", "VerifierTimeoutError", "ExecTimeoutError"})
 
 _CAUSE_CATEGORY = {
@@ -91,9 +94,10 @@ def _classify(result: TrialResult, info: ExceptionInfo) -> tuple[RolloutFailure,
     phase = _STAGE_PHASE[stage]
     name = info.exception_type
     policy = info.policy
+    traceback = info.exception_traceback or ""
     if name in _SANDBOX_INVALID:
         category, retry = ErrorCategory.VALIDATION_ERROR, False
-    elif _REFUSED_DOWNLOAD.search(info.exception_traceback or ""):
+    elif name == _SANDBOX_ENDED_INSIDE or _REFUSED_DOWNLOAD.search(traceback):
         category = (
             ErrorCategory.VERIFIER_ERROR if stage == "verifier" else ErrorCategory.AGENT_ERROR
         )

@@ -36,10 +36,17 @@ from harbor.models.trial.config import (
 )
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
+from harbor.utils.env import is_sensitive_env_key
 
 from backends.bundle.agent import WorkflowPlan
 from backends.harbor.agents import AgentSpec
-from backends.harbor.files import ArtifactSink, Retention, drop_unreachable, scrub_secrets
+from backends.harbor.files import (
+    ArtifactSink,
+    Retention,
+    drop_unreachable,
+    drop_unscannable,
+    scrub_secrets,
+)
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
@@ -52,7 +59,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
-from backends.sandbox.local import LocalSandbox
+from backends.sandbox.local import TRANSFER_TIMEOUT_SEC, LocalSandbox
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +218,33 @@ class TrialPhases(RolloutPhases):
                 t for t in (self.instruction, task.instruction.strip()) if t
             )
         self.instruction = task.instruction
+        for event in (
+            TrialEvent.ENVIRONMENT_START,
+            TrialEvent.AGENT_START,
+            TrialEvent.VERIFICATION_START,
+        ):
+            self.trial.add_hook(event, self._bound_transfers)
         self.trial.add_hook(TrialEvent.VERIFICATION_START, self._grading)
+        self.trial.add_hook(TrialEvent.END, self._before_harbors_scrub)
+
+    async def _bound_transfers(self, event: TrialHookEvent) -> None:
+        """Let each upload or download take no longer than the phase starting may.
+
+        Harbor's transfers run outside its timeouts, and root in the sandbox decides what
+        its `tar` does: stalled, each would hold the trial (and its slot) for half an hour.
+        """
+        trial = self.trial
+        if trial is None or not isinstance(trial.agent_environment, LocalSandbox):
+            return
+        budget: float | None
+        if event.event is TrialEvent.ENVIRONMENT_START:
+            budget = max(trial.environment_build_timeout_sec, trial.agent_setup_timeout_sec)
+        elif event.event is TrialEvent.AGENT_START:
+            budget = trial.agent_timeout_sec
+        else:
+            budget = trial.verifier_timeout_sec
+        if budget:
+            trial.agent_environment.transfer_timeout_sec = min(budget, TRANSFER_TIMEOUT_SEC)
 
     async def _grading(self, event: TrialHookEvent) -> None:
         self.tracked.status = RolloutStatus.GRADING
@@ -233,6 +266,13 @@ class TrialPhases(RolloutPhases):
                 log.warning(
                     "%s: agent processes survived the kill before verification", self.trial_name
                 )
+
+    async def _before_harbors_scrub(self, event: TrialHookEvent) -> None:
+        # Harbor's own scrub, right after this event, reads every text file of the trial
+        # whole when an env it passes holds a sensitive key (a judge's key in
+        # [verifier.env]); the sandbox wrote those files and may have made them huge.
+        if self.trial is not None and _harbor_scrubs(self.trial):
+            await anyio.to_thread.run_sync(drop_unscannable, self.trial_dir)
 
     async def run_agent(self) -> RolloutSample:
         assert self.trial is not None
@@ -394,6 +434,16 @@ class TrialPhases(RolloutPhases):
             result = result.model_copy(update={"failure": failure})
         timings = {**result.timings, **{f"harbor.{k}": v for k, v in self.timings.items()}}
         return result.model_copy(update={"extra_fields": extra, "timings": timings})
+
+
+def _harbor_scrubs(trial: Trial) -> bool:
+    """Whether Harbor's end-of-trial scrub will read the trial's files: it does when one of
+    the envs it hands out has a key with a sensitive name, or a model key is named."""
+    envs = [trial.agent.extra_env, trial.task.config.verifier.env, trial.config.verifier.env]
+    if trial.user_agent is not None:
+        envs.append(trial.user_agent.extra_env)
+    named = [c.model_api_key_name for c in (trial.config.agent, trial.config.user_agent) if c]
+    return any(named) or any(is_sensitive_env_key(key) for env in envs for key in env)
 
 
 def _sandbox_environment(

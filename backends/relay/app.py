@@ -257,17 +257,17 @@ class RelayApp:
                 unseen = isinstance(exc, UpstreamConnectError) or exc.stale
                 if not unseen or attempt == attempts:
                     return await _fail(
-                        send, call, generation, CallError.CONNECTION, _describe(exc, upstream)
+                        send, call, generation, CallError.CONNECTION, *_describe(exc, upstream)
                     )
                 if isinstance(exc, UpstreamConnectError):
                     await asyncio.sleep(0.05 * attempt)
             except UpstreamTimeoutError as exc:
                 return await _fail(
-                    send, call, generation, CallError.TIMEOUT, _describe(exc, upstream)
+                    send, call, generation, CallError.TIMEOUT, *_describe(exc, upstream)
                 )
             except UpstreamError as exc:
                 return await _fail(
-                    send, call, generation, CallError.CONNECTION, _describe(exc, upstream)
+                    send, call, generation, CallError.CONNECTION, *_describe(exc, upstream)
                 )
         assert response is not None
 
@@ -309,9 +309,9 @@ class RelayApp:
                 call.latency_s = time.perf_counter() - call.t0
                 call.done = True
         except UpstreamTimeoutError as exc:
-            await _fail(send, call, generation, CallError.TIMEOUT, _describe(exc, upstream))
+            await _fail(send, call, generation, CallError.TIMEOUT, *_describe(exc, upstream))
         except UpstreamError as exc:
-            await _fail(send, call, generation, CallError.CONNECTION, _describe(exc, upstream))
+            await _fail(send, call, generation, CallError.CONNECTION, *_describe(exc, upstream))
         finally:
             response.release()
 
@@ -350,8 +350,8 @@ class RelayApp:
             # Headers are gone already: tell the client in-band, as an SSE error event that
             # OpenAI clients raise as an API error, and close the stream.
             kind = CallError.TIMEOUT if isinstance(failed, TimeoutError) else CallError.CONNECTION
-            text = _describe(failed, upstream)
-            event = b"data: " + error_body(text, f"upstream_{kind.value}") + b"\n\n"
+            text, told = _describe(failed, upstream)
+            event = b"data: " + error_body(told, f"upstream_{kind.value}") + b"\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": False})
             _finish(call, generation, status, kind, text)
             return
@@ -478,15 +478,17 @@ async def _fail(
     generation: int,
     error: CallError | None,
     message: str,
+    told: str | None = None,
     *,
     http_status: int | None = None,
     code: str | None = None,
 ) -> None:
+    """Answer the agent with an error (``told``, else ``message``); the trace keeps ``message``."""
     if http_status is None:
         http_status = 504 if error is CallError.TIMEOUT else 502
     if code is None:
         code = "upstream_timeout" if error is CallError.TIMEOUT else "upstream_unreachable"
-    await _reply(send, http_status, error_body(message, code))
+    await _reply(send, http_status, error_body(told or message, code))
     if call.generation == generation:
         call.status = http_status
         call.error = error
@@ -495,8 +497,15 @@ async def _fail(
         call.done = True
 
 
-def _describe(exc: BaseException, upstream: Upstream) -> str:
-    return f"policy upstream {upstream.base_url}: {exc}"
+def _describe(exc: BaseException, upstream: Upstream) -> tuple[str, str]:
+    """An upstream failure twice: as the trace records it (for the operator, on the host) and
+    as the agent is told. The agent never learns where the upstream is: connection errors
+    name its host and port, so it gets a fixed text; a timeout's own text names only a
+    duration."""
+    recorded = f"policy upstream {upstream.base_url}: {exc}"
+    if isinstance(exc, UpstreamTimeoutError):
+        return recorded, f"the policy upstream timed out: {exc}"
+    return recorded, "the policy upstream could not be reached or dropped the connection"
 
 
 async def _too_large(send: Send, size: int, limit: int) -> None:

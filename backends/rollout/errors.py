@@ -113,6 +113,8 @@ CATEGORIES: dict[str, ErrorCategory] = {
     "builtins.TimeoutError": ErrorCategory.TIMEOUT,
     # The sandbox layer: a task it cannot run is the request's fault, anything else is infra.
     "backends.sandbox.errors.SandboxError": ErrorCategory.INFRA_ERROR,
+    # ...except a sandbox ended by what ran inside it: a fresh one would end the same way.
+    "backends.sandbox.errors.SandboxEndedError": ErrorCategory.AGENT_ERROR,
     "backends.sandbox.errors.UnsupportedTaskError": ErrorCategory.VALIDATION_ERROR,
     "backends.sandbox.errors.SandboxPathError": ErrorCategory.VALIDATION_ERROR,
     "backends.sandbox.errors.BaseImageNotFoundError": ErrorCategory.VALIDATION_ERROR,

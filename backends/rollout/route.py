@@ -8,6 +8,7 @@ remote sandbox, and the rollout's token all come from the relay that issued them
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,12 @@ class PolicyRoute(BaseModel):
     relay_path: str | None = None
     relay_socket: Path | None = None  # the relay's Unix socket, to bind into a local sandbox
     advertised_url: str | None = None  # the relay's origin as remote sandboxes reach it
+    # Set by RelayedBackend: ends this registration (its token is refused from then on, its
+    # calls leave the rollout's trace) and returns the route of a fresh one, for a retry
+    # that must start clean after policy calls were made.
+    renew: Callable[[], Awaitable[PolicyRoute]] | None = Field(
+        default=None, exclude=True, repr=False
+    )
 
     @classmethod
     def direct(cls, request: RolloutRequest) -> PolicyRoute:
@@ -54,6 +61,16 @@ class PolicyRoute(BaseModel):
     @property
     def relayed(self) -> bool:
         return self.relay_path is not None
+
+    def onto(self, request: RolloutRequest) -> RolloutRequest:
+        """``request`` sent along this route: the URL and key its backend and agent see."""
+        return request.model_copy(
+            update={
+                "chat_completions_url": self.base_url,
+                "api_key": self.api_key,
+                "policy_route": self,
+            }
+        )
 
     def sandbox_base_url(self, forwarder_port: int | None = None) -> str:
         """The base URL an agent inside a sandbox uses.

@@ -281,6 +281,25 @@ class SandboxCgroup:
     def members(self) -> list[int]:
         return [p for d in self._dirs for p in _members(d)]
 
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the out-of-memory killer has killed (0 when
+        the host keeps no count)."""
+        if "memory" in self.layout.v1:
+            events = self._controller_dir("memory") / "memory.oom_control"
+        elif self.v2_dir is not None:
+            events = self.v2_dir / "memory.events"  # counts its exec subgroups too
+        else:
+            return 0
+        try:
+            lines = events.read_text().splitlines()
+        except OSError:
+            return 0
+        for line in lines:
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+        return 0
+
     async def kill_all_but(self, keep: Collection[int], limit_sec: float = KILL_WAIT_SEC) -> bool:
         """SIGKILL every process of the sandbox but the pids `keep`; True once they are gone.
 

@@ -25,6 +25,13 @@ class SandboxNotRunningError(SandboxError):
     """An operation needs a started sandbox, but it was never started or already stopped."""
 
 
+class SandboxEndedError(SandboxNotRunningError):
+    """The sandbox died of what ran inside it: its pid 1 exited or was OOM-killed while nothing
+    on the host stopped it. Not an infrastructure fault: the same code in a fresh sandbox would
+    end it again (root inside can neither SIGKILL nor trace pid 1, so a SIGKILL with no OOM
+    kill is the host's doing, a plain `SandboxNotRunningError`)."""
+
+
 class ExecTimeoutError(SandboxError):
     """A command ran past its timeout; its whole process tree was killed."""
 

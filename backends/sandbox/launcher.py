@@ -171,6 +171,14 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int, seccomp_fd: int) -> lis
         "/dev",
         "--proc",
         "/proc",
+        # Pid 1's memory, which root inside could rewrite to end the sandbox (tracing it, the
+        # other way in, is refused by seccomp): hidden behind /dev/null.
+        "--ro-bind",
+        "/dev/null",
+        "/proc/1/mem",
+        "--ro-bind",
+        "/dev/null",
+        "/proc/1/task/1/mem",
         # /dev/shm is a tmpfs outside the disk limit: sized (its pages also count against the
         # memory limit), and /dev itself read-only once set up, so neither is spare storage.
         "--size",

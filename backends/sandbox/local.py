@@ -6,6 +6,7 @@ Load it in Harbor with `EnvironmentConfig(import_path="backends.sandbox.local:Lo
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ from harbor.environments.capabilities import (
     EnvironmentResourceCapabilities,
 )
 from harbor.environments.definition import require_agent_environment_definition
-from harbor.models.task.config import NetworkMode
+from harbor.models.task.config import NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
@@ -88,8 +89,17 @@ def _host_mount_binds(mounts: Iterable[Any]) -> list[Bind]:
     return _parse_binds(binds)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
-TRANSFER_TIMEOUT_SEC = 1800  # a download the sandbox stalls must not hold a trial forever
+TRANSFER_TIMEOUT_SEC = 1800  # a transfer the sandbox stalls must not hold a trial forever
 
 
 class LocalSandbox(BaseEnvironment):
@@ -132,6 +142,11 @@ class LocalSandbox(BaseEnvironment):
     - `max_output_bytes`: output an `exec` keeps per stream (default 64 MiB); the rest is
       drained, dropped, and reported at the end of its stderr.
 
+    - `transfer_timeout_sec`: the longest one upload or download may take (default 1800 s):
+      root inside decides what `tar` is and may stall it. Past it the transfer is killed
+      and raises `ExecTimeoutError`. The attribute of that name may be changed while the
+      sandbox runs: HarborBackend sets it to each phase's own timeout (agent setup, agent,
+      verifier), so a stalled transfer holds a trial no longer than that phase could.
     - `shm_size_mb`: size of /dev/shm (default: the task's memory_mb, else 64).
     - `max_download_bytes`: the most one download may bring to the host, both as archive
       bytes and as the files' apparent sizes (a sparse file counts at its full size; default:
@@ -179,8 +194,10 @@ class LocalSandbox(BaseEnvironment):
         max_download_bytes: int | str | None = None,
         shm_size_mb: int | str | None = None,
         enforce_storage: bool | str = True,
+        transfer_timeout_sec: float | str = TRANSFER_TIMEOUT_SEC,
         **kwargs: Any,
     ) -> None:
+        self.transfer_timeout_sec = float(transfer_timeout_sec)
         self._extra_binds = _parse_binds(extra_binds)
         self._relay_socket = Path(relay_socket) if relay_socket else None
         self._relay_port = int(relay_port)
@@ -248,6 +265,19 @@ class LocalSandbox(BaseEnvironment):
     def capabilities(self) -> EnvironmentCapabilities:
         # Mounted only when asked to: Harbor then derives the /logs binds from trial_paths.
         return EnvironmentCapabilities(disable_internet=True, mounted=self._binds_host_paths)
+
+    def validate_network_policy_support(self, network_policy: NetworkPolicy | None = None) -> None:
+        """Harbor's check, except that an allowlist of loopback addresses alone is no network.
+
+        Harbor allowlists an installed agent's inference host; through the relay's forwarder
+        that is 127.0.0.1, the sandbox's own loopback, which a sandbox without network has.
+        """
+        policy = network_policy or self.network_policy
+        if policy.network_mode == NetworkMode.ALLOWLIST and all(
+            _is_loopback(host) for host in policy.allowed_hosts
+        ):
+            return
+        super().validate_network_policy_support(network_policy)
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
@@ -439,6 +469,7 @@ class LocalSandbox(BaseEnvironment):
                 ["/bin/sh", "-c", 'mkdir -p -- "$0" && exec tar -x -p -C "$0" -f -', target_dir],
                 user=root,
                 stdin=archive,
+                timeout=self.transfer_timeout_sec,
             )
         if res.return_code != 0:
             raise OSError(f"upload into {target_dir} failed: {res.stderr.decode().strip()}")
@@ -480,7 +511,7 @@ class LocalSandbox(BaseEnvironment):
                 user=await box.resolve_user(0),
                 stdin=stdin,
                 stdout=archive,
-                timeout=TRANSFER_TIMEOUT_SEC,
+                timeout=self.transfer_timeout_sec,
                 output_limit=limit,
             )
             if res.stdout_dropped:
@@ -580,7 +611,7 @@ class LocalSandbox(BaseEnvironment):
         listing = await box.run(
             ["/bin/sh", "-c", 'cd -- "$0" && exec find . -type f -print0', source],
             user=await box.resolve_user(0),
-            timeout=TRANSFER_TIMEOUT_SEC,
+            timeout=self.transfer_timeout_sec,
         )
         if listing.return_code != 0 or listing.stdout_dropped:
             raise FileNotFoundError(

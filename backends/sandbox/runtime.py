@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +30,7 @@ import anyio
 from backends.sandbox import cgroups, disk, launcher, network, uids
 from backends.sandbox.errors import (
     ExecTimeoutError,
+    SandboxEndedError,
     SandboxNotRunningError,
 )
 from backends.sandbox.settings import UID_BASE, UID_COUNT, cache_dir, private_dir, run_dir
@@ -241,8 +243,10 @@ class BwrapSandbox:
             SandboxNotRunningError: not started, stopped, or the sandbox died.
         """
         booted = self._booted
-        if booted is None or not booted.alive():
+        if booted is None:
             raise SandboxNotRunningError(f"sandbox {self.label} is not running")
+        if not booted.alive():
+            raise await self._gone(booted)
         return await self.cgroup.kill_all_but({booted.process.pid, booted.init_pid})
 
     async def resolve_user(self, user: str | int | None) -> User:
@@ -305,8 +309,10 @@ class BwrapSandbox:
             ExecTimeoutError: `timeout` seconds passed.
         """
         booted = self._booted
-        if booted is None or booted.process.returncode is not None:
+        if booted is None:
             raise SandboxNotRunningError(f"sandbox {self.label} is not running")
+        if booted.process.returncode is not None:
+            raise await self._gone(booted)
         group = f"x{next(self._exec_ids)}"
         self.cgroup.new_exec_group(group)
         full_env = {"PATH": DEFAULT_PATH, **self.spec.env, "HOME": user.home, **(env or {})}
@@ -335,8 +341,13 @@ class BwrapSandbox:
                     enter_pidfd=booted.init_fd,
                 )
             except OSError as e:
+                if booted.alive():
+                    # Entering fails as soon as pid 1 starts exiting; its pidfd turns
+                    # readable a moment later. (A live sandbox: a short wait, then the error.)
+                    with anyio.move_on_after(0.5):
+                        await booted.init_exited()
                 if booted.process.returncode is not None or not booted.alive():
-                    raise SandboxNotRunningError(f"sandbox {self.label} is not running") from e
+                    raise await self._gone(booted) from e
                 raise
             finally:
                 for fd in (in_r, out_w, err_w):
@@ -362,6 +373,27 @@ class BwrapSandbox:
         finally:
             ours.close_all()
             self.cgroup.drop_exec_group(group)
+
+    async def _gone(self, booted: launcher.Booted) -> SandboxNotRunningError:
+        """The error for a sandbox that died though nothing here stopped it: who ended it.
+
+        Root inside cannot SIGKILL its pid 1 (the kernel ignores that from inside) nor trace
+        it (seccomp), so pid 1 killed by SIGKILL with no OOM kill is the host's doing (an
+        operator, a machine in trouble); pid 1 exiting, any other signal, or the OOM killer
+        (within the sandbox's memory) is what ran inside.
+        """
+        with anyio.move_on_after(1):
+            await booted.process.wait()  # pid 1 is gone; bwrap follows within moments
+        code = booted.process.returncode
+        oom_kills = self.cgroup.oom_kills()
+        if code is None or (code in (-signal.SIGKILL, 128 + signal.SIGKILL) and not oom_kills):
+            return SandboxNotRunningError(
+                f"sandbox {self.label} is not running: it was killed from the host"
+            )
+        how = "the out-of-memory killer ended it" if oom_kills else f"its pid 1 ended ({code})"
+        return SandboxEndedError(
+            f"sandbox {self.label} ended from inside: {how} while nothing on the host stopped it"
+        )
 
 
 PRIVATE = "private"  # in a run dir: mode 0700, holding the scratch upper and work dirs

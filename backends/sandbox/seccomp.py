@@ -5,7 +5,10 @@ keeps out by dropping capabilities (mounts, new namespaces) and by its syscall l
 io_uring, bpf, perf, kexec, modules) is closed here by one filter. On top of that: typing into
 a terminal (TIOCSTI, TIOCLINUX) and creating user namespaces (nested ones are a steady source of
 kernel bugs, and a way around the uid map). ptrace stays allowed, as in Docker on any recent
-kernel: strace and gdb work inside.
+kernel: strace and gdb work inside; only the sandbox's pid 1 may not be traced, have its memory
+read or written, or its limits set (ptrace, process_vm_readv/writev, prlimit64 with pid 1; the
+launcher also hides /proc/1/mem): through those root inside could end the sandbox, even with the
+SIGKILL the host's own kill sends, and pass its failure off as the infrastructure's.
 
 The filter is compiled by libseccomp (through pyseccomp) into classic BPF, once per process;
 bubblewrap loads it into the sandbox's pid 1 (`--seccomp FD`) and the spawner into every process
@@ -82,6 +85,11 @@ def program() -> bytes:
     flt.add_rule(deny, "unshare", sc.Arg(0, sc.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
     # clone's flags are its first argument on x86 and arm64 (s390 swaps them; not a target).
     flt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    # Pid 1 only (ptrace's pid is its second argument, the others' the first); prlimit64,
+    # because a CPU limit on pid 1 would have the kernel SIGKILL it.
+    flt.add_rule(deny, "ptrace", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, 1))
+    for name in ("process_vm_readv", "process_vm_writev", "prlimit64"):
+        flt.add_rule(deny, name, sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, 1))
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # flags in memory: unreadable to a filter
     out = os.memfd_create("sandbox-seccomp", os.MFD_CLOEXEC)
     try:

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import io
 import logging
 import random
 import shlex
 import shutil
-import tempfile
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -336,10 +336,14 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         )
 
     async def _put_archive(self, target_dir: str, pack: Any) -> None:
-        with tempfile.TemporaryFile() as archive:
-            await anyio.to_thread.run_sync(pack, archive)
-            archive.seek(0)
-            data = await anyio.to_thread.run_sync(archive.read)
+        def packed() -> bytes:
+            # In memory: write_bytes takes the whole archive anyway, and a file descriptor
+            # per upload waiting for a worker thread would add up at thousands in flight.
+            archive = io.BytesIO()
+            pack(archive)
+            return archive.getvalue()
+
+        data = await anyio.to_thread.run_sync(packed)
         staged = f"{STAGING}/.bk-up-{uuid.uuid4().hex}.tar"
         await self._require_sandbox().write_bytes.aio(data, staged)
         quoted = shlex.quote(target_dir)
@@ -388,9 +392,7 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             raise unpack.DownloadTooLargeError(
                 f"cannot download {what}: larger than {self._max_download} bytes"
             )
-        with tempfile.TemporaryFile() as archive:
-            archive.write(bytes(data))
-            await anyio.to_thread.run_sync(extract, archive)
+        await anyio.to_thread.run_sync(extract, io.BytesIO(bytes(data)))  # bounded above
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy one sandbox file (links followed inside) to a host path, mode masked to 0755.

@@ -81,6 +81,7 @@ class Probe:
         self.peak_in_flight = 0
         self.peak_threads = 0
         self.peak_fds = 0
+        self.cpu = time.process_time()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -111,6 +112,7 @@ class Probe:
             "peak_in_flight": self.peak_in_flight,
             "peak_threads": self.peak_threads,
             "peak_fds": self.peak_fds,
+            "cpu_sec": time.process_time() - self.cpu,
             "sim": _sim_counters(),
             "create_retries": _create_retries(),
         }
@@ -218,6 +220,14 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
         (await loop.create_connection(_Connection, host, int(port)))[1] for _ in range(connections)
     ]
 
+    async def control(path: str, body: bytes = b"") -> Any:
+        """Stats and cancel on a connection of their own (a worker's may be mid-request)."""
+        conn = (await loop.create_connection(_Connection, host, int(port)))[1]
+        try:
+            return (await call(conn, "POST" if body else "GET", path, body))[1]
+        finally:
+            conn.transport.close()  # type: ignore[union-attr]
+
     async def call(
         conn: _Connection, method: str, path: str, body: bytes = b"", lease: str = ""
     ) -> tuple[int, Any]:
@@ -229,8 +239,8 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
         )
         return status, json.loads(raw) if raw else None
 
-    await call(conns[0], "GET", "/bench/reset")
-    await call(conns[0], "GET", "/bench/reset")  # the probe runs from the first call on
+    await control("/bench/reset")
+    await control("/bench/reset")  # the probe runs from the first call on
     tag = f"s{n}-{int(time.time())}"
     ids = [f"{tag}-{i}" for i in range(n)]
     leases: dict[str, str] = {}
@@ -272,9 +282,9 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
     done, _ = await asyncio.wait([collecting], timeout=max(0.0, window - submitted))
     elapsed = time.perf_counter() - t0
     finished = len(results)
-    _, stats = await call(conns[-1], "GET", "/bench/stats")
+    stats = await control("/bench/stats")
     if not done:
-        await call(conns[-1], "POST", "/rollout/cancel", b'{"all": true}')
+        await control("/rollout/cancel", b'{"all": true}')
         await collecting
     for conn in conns:
         conn.transport.close()  # type: ignore[union-attr]
@@ -296,6 +306,7 @@ async def level(url: str, n: int, window: float, connections: int = 64) -> dict[
         "finished": finished,
         "window": elapsed,
         "kb_per_rollout": (stats["peak_rss"] - stats["base_rss"]) / flying / 1024,
+        "cpu_ms": stats["cpu_sec"] / max(finished, 1) * 1000,
         **stats,
     }
 
@@ -304,7 +315,8 @@ def report(kind: str, r: dict[str, Any]) -> None:
     print(
         f"{kind:>9} {r['n']:>6} in flight (peak {r['peak_in_flight']:>6}): "
         f"lag p50 {r['lag_p50_ms']:6.1f} ms p99 {r['lag_p99_ms']:7.1f} ms | "
-        f"{r['kb_per_rollout']:6.1f} KB/rollout | {r['rate']:6.1f} rollouts/s | "
+        f"{r['kb_per_rollout']:6.1f} KB/rollout | {r['rate']:6.1f} rollouts/s "
+        f"({r['cpu_ms']:.0f} ms CPU each) | "
         f"lost {r['lost']} | {r['finished']} finished in {r['window']:.0f} s, ok {r['success']}, "
         f"not ok {r['failures']} | "
         f"create retries {r['retries']} (sim failures {r['sim']['create_failures']}) | "
@@ -350,6 +362,7 @@ def main() -> None:
         for this, base in zip(rows["this"], rows["baseline"], strict=True):
             print(
                 f"ratio at {this['n']}: rollouts/s {this['rate'] / base['rate']:.2f}x, "
+                f"CPU per rollout {this['cpu_ms'] / max(base['cpu_ms'], 1e-9):.2f}x, "
                 f"KB/rollout {this['kb_per_rollout'] / max(base['kb_per_rollout'], 1e-9):.2f}x, "
                 f"lag p99 {this['lag_p99_ms'] / max(base['lag_p99_ms'], 1e-9):.2f}x"
             )
