@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from backends.report.files import href, inside
 from backends.rollout.errors import ErrorCategory, Phase
 from tests.report_support import Rollout, make_run, rendered
@@ -241,23 +239,6 @@ def test_a_directory_that_is_not_a_run_is_refused_by_name(tmp_path: Path) -> Non
     done = report(run_dir)
     assert done.returncode == 2
     assert "results.jsonl:8: not a result line" in done.stderr
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs the CLI's main job in sandboxes")
-@pytest.mark.sandbox
-def test_report_of_a_real_run(tmp_path: Path) -> None:
-    """`backends run` then `backends report`, as README says: the page shows every rollout."""
-    env = {**os.environ, "BACKENDS_HOME": str(tmp_path)}
-    run = subprocess.run(
-        [sys.executable, "-m", "backends.cli", "run", "--backend", "local", "-o", str(tmp_path / "r/")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert report(tmp_path / "r").returncode == 0
-    dom, _ = rendered(tmp_path / "r" / "report.html")
-    rows = dom.one("table", id="rollouts").all("tr", class_="rollout")
-    assert len(rows) == 12 and all(tr.all("td")[2].text() == "success" for tr in rows)
-    assert dom.one(id="mean-reward").text() == "1"
 
 
 def test_a_second_report_rewrites_only_pages_that_changed(tmp_path: Path) -> None:
