@@ -25,16 +25,21 @@ where it needs more:
 from __future__ import annotations
 
 import asyncio
+import binascii
 import inspect
 import io
 import logging
+import os
 import random
 import shlex
 import shutil
+import tempfile
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, BinaryIO
 
 import anyio
@@ -52,19 +57,22 @@ from backends.sandbox.errors import (
     SandboxNotRunningError,
     SandboxStartError,
 )
+from backends.sandbox.filtered import CheckedDownloads
 
 log = logging.getLogger(__name__)
 
 MAX_TIMEOUT_SEC = harbor_skypilot._MAX_TIMEOUT_SEC  # the server's exec and file-API cap
 DEFAULT_TTL_SEC = 6 * 3600
-DEFAULT_MAX_DOWNLOAD = 4 * 1024**3  # read_bytes holds an archive in memory: bounded
+DEFAULT_MAX_DOWNLOAD = 4 * 1024**3
+DOWNLOAD_CHUNK = 4 * 1024**2  # one exec of a download: the most it holds in memory at once
+DOWNLOAD_IN_MEMORY = 16 * 1024**2  # a download larger than this is spooled to a host file
 CLIENT_GRACE_SEC = 30.0  # past a command's timeout, how long the server may take to report it
 KILL_TIMEOUT_SEC = 30
 STAGING = "/tmp"
 EXEC_TAG = "BACKENDS_EXEC_ID"  # every command's processes carry it, to be found and killed
 
 
-class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
+class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     """A Harbor environment on a SkyPilot sandbox (one Kubernetes pod from an image or a pool).
 
     Harbor's kwargs (``EnvironmentConfig.kwargs``): ``registry`` (where Dockerfile tasks are
@@ -112,7 +120,7 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             raise ValueError(f"network must be 'public' or 'none', not {network!r}")
         self._network_override = network
         self.sdk = skysdk.load()  # raises naming what to install
-        harbor_skypilot.sky_sandbox = self.sdk  # Harbor's module imports only `sky.sandbox`
+        harbor_skypilot.sky_sandbox = _WithLifetime(self.sdk)  # it imports only `sky.sandbox`
         harbor_skypilot._HAS_SKYPILOT = True
         self._ttl = int(ttl_sec)
         self._max_creates = int(max_concurrent_creates)
@@ -179,7 +187,11 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
                         await anyio.sleep(random.uniform(0, self._jitter))
                     self._sandbox_name = name
                     self.run.live.add(name)  # a half-made one is reaped at exit too
-                    return await super()._create_sandbox(image)
+                    lifetime = _LIFETIME.set(self._ttl)
+                    try:
+                        return await super()._create_sandbox(image)
+                    finally:
+                        _LIFETIME.reset(lifetime)
         raise AssertionError("unreachable")
 
     async def start(self, force_build: bool) -> None:
@@ -371,28 +383,49 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
         await self._put_archive(target, lambda out: transfer.pack_dir_contents(source, out))
 
     async def _get_archive(self, tar_args: str, what: str, extract: Any) -> None:
-        staged = f"{STAGING}/.bk-down-{uuid.uuid4().hex}.tar"
-        res = await self._run_shell(
-            f"tar -c --sparse -f {staged} {tar_args} && stat -c %s {staged}",
-            timeout_seconds=MAX_TIMEOUT_SEC,
-        )
+        """Tar in a fresh root-only dir in the pod, then bring it back in bounded chunks.
+
+        The pod may change the staged file at any time, so no size it reports is trusted:
+        each chunk is an exec's output, at most ``chunk`` bytes, counted as it arrives
+        against ``max_download_bytes`` and spooled (to a host file past ``DOWNLOAD_IN_MEMORY``).
+        """
+        staging = f"{STAGING}/.bk-down-{uuid.uuid4().hex}"
+        staged = f"{staging}/archive.tar"
+        # base64 (76-column lines) must fit one exec's kept output.
+        chunk = min(DOWNLOAD_CHUNK, self._max_download + 1, self._max_output * 57 // 77)
         try:
-            if res.return_code not in (0, 1):  # 1: a file changed while read; still whole
-                raise FileNotFoundError(f"cannot download {what}: {(res.stderr or '').strip()}")
-            size = int((res.stdout or "0").split()[-1])
-            if size > self._max_download:
-                raise unpack.DownloadTooLargeError(
-                    f"cannot download {what}: larger than {self._max_download} bytes "
-                    f"({size}; max_download_bytes)"
-                )
-            data = await self._require_sandbox().read_bytes.aio(staged)
+            # In memory while small (no descriptor per download in flight), on disk past that.
+            with tempfile.SpooledTemporaryFile(max_size=DOWNLOAD_IN_MEMORY) as archive:
+                received = 0
+                while True:
+                    read = f"tail -c +{received + 1} {staged} | head -c {chunk} | base64"
+                    if received == 0:
+                        read = (
+                            f"mkdir -m 700 {staging} || exit 125; "
+                            f"tar -c --sparse -f {staged} {tar_args}; rc=$?; "
+                            f"[ $rc -le 1 ] || exit $rc; {read} || exit 125; exit $rc"
+                        )  # tar's 1: a file changed while read; the archive is still whole
+                    res = await self._run_shell(read, timeout_seconds=MAX_TIMEOUT_SEC)
+                    if res.return_code not in (0, 1):
+                        raise FileNotFoundError(
+                            f"cannot download {what}: {(res.stderr or '').strip()}"
+                        )
+                    try:
+                        data = binascii.a2b_base64(res.stdout or "")
+                    except binascii.Error as exc:
+                        raise OSError(f"cannot download {what}: corrupt transfer") from exc
+                    received += len(data)
+                    if len(data) > chunk or received > self._max_download:
+                        raise unpack.DownloadTooLargeError(
+                            f"cannot download {what}: larger than {self._max_download} bytes "
+                            "(max_download_bytes)"
+                        )
+                    archive.write(data)
+                    if len(data) < chunk:
+                        break
+                await anyio.to_thread.run_sync(extract, archive)
         finally:
-            await self._run_shell(f"rm -f {staged}", timeout_seconds=KILL_TIMEOUT_SEC)
-        if len(data) > self._max_download:
-            raise unpack.DownloadTooLargeError(
-                f"cannot download {what}: larger than {self._max_download} bytes"
-            )
-        await anyio.to_thread.run_sync(extract, io.BytesIO(bytes(data)))  # bounded above
+            await self._run_shell(f"rm -rf {staging}", timeout_seconds=KILL_TIMEOUT_SEC)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         """Copy one sandbox file (links followed inside) to a host path, mode masked to 0755.
@@ -417,13 +450,68 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             FileNotFoundError: no such directory. SandboxPathError: a member would land
             outside. DownloadTooLargeError: past ``max_download_bytes``.
         """
+        await self._download_tree(source_dir, target_dir, ["."])
+
+    async def _download_tree(
+        self,
+        source_dir: str,
+        target_dir: Path | str,
+        members: list[str],
+        stdin: bytes | None = None,
+    ) -> None:
         source = self._path(source_dir)
         target = Path(target_dir)
-        await self._get_archive(
-            f"-C {shlex.quote(source)} .",
-            source,
-            lambda archive: _unpack(archive, target, self._max_download, None),
+        names = None
+        if stdin is not None:  # `-T -`: the names go in a staged file, exec has no stdin
+            names = f"{STAGING}/.bk-names-{uuid.uuid4().hex}"
+            await self._require_sandbox().write_bytes.aio(stdin, names)
+            members = [names if m == "-" else m for m in members]
+        try:
+            await self._get_archive(
+                shlex.join(["-C", source, *members]),
+                source,
+                lambda archive: _unpack(archive, target, self._max_download, None),
+            )
+        finally:
+            if names is not None:
+                await self._run_shell(f"rm -f {names}", timeout_seconds=KILL_TIMEOUT_SEC)
+
+    async def _list_files(self, source_dir: str) -> list[str]:
+        source = self._path(source_dir)
+        res = await self._run_shell(
+            f"cd -- {shlex.quote(source)} && find . -type f -print0 | base64",
+            timeout_seconds=MAX_TIMEOUT_SEC,
         )
+        try:
+            listing = binascii.a2b_base64(res.stdout or "")
+        except binascii.Error:
+            listing = None
+        if res.return_code != 0 or listing is None:
+            raise FileNotFoundError(
+                f"cannot list {source} for download: {(res.stderr or '').strip()}"
+            )
+        return [os.fsdecode(n).removeprefix("./") for n in listing.split(b"\0") if n]
+
+
+_LIFETIME: ContextVar[int | None] = ContextVar("skypilot_lifetime", default=None)
+
+
+class _WithLifetime:
+    """The SDK as Harbor's module calls it, but ``create`` gets the creating sandbox's
+    ``ttl_sec`` (set in ``_LIFETIME`` around the call) instead of Harbor's fixed 24 h."""
+
+    def __init__(self, sdk: Any) -> None:
+        self._sdk = sdk
+        self.create = SimpleNamespace(aio=self._create)  # Harbor calls create.aio
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sdk, name)
+
+    async def _create(self, *args: Any, **kwargs: Any) -> Any:
+        lifetime = _LIFETIME.get()
+        if lifetime is not None:
+            kwargs["timeout"] = lifetime
+        return await self._sdk.create.aio(*args, **kwargs)
 
 
 def _widen_default_executor(threads: int) -> None:

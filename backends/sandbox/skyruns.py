@@ -1,10 +1,11 @@
 """Which run owns which SkyPilot sandbox, so none outlives its run for long.
 
 Every sandbox name starts ``bk-<run id>-``. The run id is this process's, recorded with its
-owner (pid and start time) under ``$BACKENDS_HOME/skypilot-runs/`` when it creates its first
-sandbox. At exit the run terminates what it still holds; after a crash, the next start (or
+owner (pid and start time, and the host, boot and pid namespace that pid belongs to) under
+``$BACKENDS_HOME/skypilot-runs/`` when it creates its first sandbox. At exit the run terminates what it still holds; after a crash, the next start (or
 ``backends sandbox reap``) finds the runs whose owner is gone and terminates their sandboxes.
-A sandbox whose run is not recorded on this host belongs to someone else and is left alone;
+A sandbox whose run is not recorded on this host (or was recorded from another pid namespace
+sharing the directory) belongs to someone else and is left alone;
 its lifetime (``ttl_sec``) reaps it in the end.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import os
 import re
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,6 +48,12 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _host() -> str:
+    """Where a pid means this process: the host's name, its boot and its pid namespace."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()} {boot} {os.readlink('/proc/self/ns/pid')}"
+
+
 @dataclass
 class Run:
     id: str
@@ -60,20 +69,24 @@ class Run:
         if self.registered:
             return
         self.record.parent.mkdir(parents=True, exist_ok=True)
-        self.record.write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        self.record.write_text(f"{os.getpid()} {_start_time(os.getpid())} {_host()}\n")
         self.registered = True
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Terminate what this run still holds (a crash skips this; the next start reaps)."""
+        """Terminate what this run still holds, and forget the run only once none of it can
+        be left: a terminate that fails (the API server unreachable at exit) keeps the
+        record, so the next start finds the owner dead and reaps (as after a crash)."""
         if self.live:
             from backends.sandbox import skysdk
 
-            with contextlib.suppress(Exception):
-                terminate(skysdk.load(), sorted(self.live))
-        self.live.clear()
-        with contextlib.suppress(FileNotFoundError):
-            self.record.unlink()
+            try:
+                self.live -= release(skysdk.load(), sorted(self.live))
+            except Exception as exc:
+                log.warning("could not terminate this run's SkyPilot sandboxes: %s", exc)
+        if not self.live:
+            with contextlib.suppress(FileNotFoundError):
+                self.record.unlink()
 
 
 _current: Run | None = None
@@ -90,10 +103,20 @@ def current() -> Run:
 
 
 def sandbox_name(run: Run, session_id: str, retry: int = 1) -> str:
-    """A DNS-safe name of at most 53 characters that keeps the run's prefix."""
+    """A DNS-safe name of at most 53 characters that keeps the run's prefix.
+
+    Sanitizing lowercases and maps ``._`` to ``-``, so ids such as ``Row-A`` and ``row-a`` or
+    ``a.b`` and ``a_b`` would meet: whenever it changed the id, a hash of the exact id is
+    appended, so each sandbox keeps a name of its own.
+    """
     prefix = f"bk-{run.id}-"
-    suffix = f"-r{retry}" if retry > 1 else ""
-    return prefix + _sanitize_dns_name(f"{session_id}{suffix}", max_len=MAX_NAME - len(prefix))
+    exact = f"{session_id}-r{retry}" if retry > 1 else session_id
+    room = MAX_NAME - len(prefix)
+    slug = _sanitize_dns_name(exact, max_len=room)
+    if slug != exact:
+        digest = hashlib.sha256(exact.encode()).hexdigest()[:10]
+        slug = f"{slug[: room - len(digest) - 1].rstrip('-')}-{digest}"
+    return prefix + slug
 
 
 def run_of(name: str) -> str | None:
@@ -102,10 +125,16 @@ def run_of(name: str) -> str | None:
 
 
 def owner_state(run_id: str) -> str:
-    """``"alive"``, ``"dead"`` (recorded here, its owner gone) or ``"unknown"`` (not ours)."""
+    """``"alive"``, ``"dead"`` (recorded here, its owner gone) or ``"unknown"`` (not ours).
+
+    A record made on another host, boot or pid namespace (a shared ``$BACKENDS_HOME``) is
+    unknown: its pid means nothing in this ``/proc``, so its run is never judged dead here.
+    """
     try:
-        pid, start = (runs_dir() / run_id).read_text().split()
+        pid, start, host = (runs_dir() / run_id).read_text().split(maxsplit=2)
     except (FileNotFoundError, ValueError):
+        return "unknown"
+    if host.strip() != _host():
         return "unknown"
     return "alive" if _start_time(int(pid)) == start else "dead"
 
@@ -128,18 +157,29 @@ async def admission(limit: int) -> AsyncIterator[None]:
 
 def terminate(sdk: ModuleType, names: list[str]) -> list[str]:
     """Terminate these sandboxes by name (sync SDK); returns the names terminated."""
-    done = []
+    return _terminate(sdk, names)[0]
+
+
+def release(sdk: ModuleType, names: list[str]) -> set[str]:
+    """Terminate these sandboxes; returns the names now gone (terminated, or not listed)."""
+    done, absent = _terminate(sdk, names)
+    return {*done, *absent}
+
+
+def _terminate(sdk: ModuleType, names: list[str]) -> tuple[list[str], list[str]]:
+    done, absent = [], []
     by_name = {s.name: s for s in sdk.ls()}
     for name in names:
         box = by_name.get(name)
         if box is None:
+            absent.append(name)
             continue
         try:
             box.terminate(wait=True)
             done.append(name)
         except Exception as exc:
             log.warning("could not terminate SkyPilot sandbox %s: %s", name, exc)
-    return done
+    return done, absent
 
 
 def listing(sdk: ModuleType) -> list[dict[str, Any]]:
