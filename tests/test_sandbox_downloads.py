@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from harbor.environments.base import BaseEnvironment
+from sky_support import fake_sky_server
 from test_sandbox_escapes import (
     PATH_MAX_ARCHIVE,
     env,
@@ -21,6 +23,7 @@ from test_sandbox_escapes import (
     run_python,
 )
 
+from backends.sandbox.contract import PROVIDERS, Provider
 from backends.sandbox.errors import SandboxPathError
 from backends.sandbox.unpack import DownloadTooLargeError
 
@@ -32,9 +35,36 @@ pytestmark = [
 __all__ = ["env", "host_dir"]  # fixtures
 MiB = 1024 * 1024
 
+
+@pytest.fixture(scope="module")
+def fake_sky() -> Iterator[dict[str, str]]:
+    with fake_sky_server() as env:
+        yield env
+
+
+@pytest.fixture(params=PROVIDERS, ids=lambda p: p.name)
+async def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BaseEnvironment]:
+    """A sandbox of each provider (SkyPilot over the fake API server, whose pods are local
+    sandboxes), with an 8 MiB download limit."""
+    provider: Provider = request.param
+    if provider.name == "skypilot":
+        request.getfixturevalue("fake_sky")
+    sandbox = provider.make(tmp_path, kwargs={"max_download_bytes": 8 * MiB})
+    await sandbox.start(force_build=False)
+    try:
+        yield sandbox
+    finally:
+        await sandbox.stop(delete=True)
+
+
 # Whatever tar is asked for, it hands back the crafted archive: gzipped when asked for a
-# `tar czf FILE ...` (Harbor's own path), plain on stdout otherwise.
-CRAFTED_TAR = '#!/bin/sh\nif [ "$1" = czf ]; then gzip -c /crafted.tar > "$2"; else exec cat /crafted.tar; fi\n'
+# `tar czf FILE ...` (Harbor's own path), plain into `-f FILE` or on stdout otherwise.
+CRAFTED_TAR = (
+    "#!/bin/sh\n"
+    'if [ "$1" = czf ]; then gzip -c /crafted.tar > "$2"; exit; fi\n'
+    'out=-; prev=; for a in "$@"; do [ "$prev" = -f ] && out=$a; prev=$a; done\n'
+    '[ "$out" = - ] && exec cat /crafted.tar; exec cp /crafted.tar "$out"\n'
+)
 
 
 async def _download(env: BaseEnvironment, how: str, out: Path) -> None:
@@ -50,15 +80,15 @@ async def _download(env: BaseEnvironment, how: str, out: Path) -> None:
 
 @pytest.mark.parametrize("how", ["exclusions", "filtered"])
 async def test_a_crafted_archive_writes_nothing_outside(
-    env: BaseEnvironment, tmp_path: Path, host_dir: Path, how: str
+    any_env: BaseEnvironment, tmp_path: Path, host_dir: Path, how: str
 ) -> None:
-    await run_python(env, tmp_path, PATH_MAX_ARCHIVE, str(host_dir))
-    res = await env.exec("mkdir -p /logs/artifacts && echo hi > /logs/artifacts/a.txt")
+    await run_python(any_env, tmp_path, PATH_MAX_ARCHIVE, str(host_dir))
+    res = await any_env.exec("mkdir -p /logs/artifacts && echo hi > /logs/artifacts/a.txt")
     assert res.return_code == 0, res.stderr
-    await fake_tar(env, CRAFTED_TAR)
+    await fake_tar(any_env, CRAFTED_TAR)
     out = tmp_path / "out"
     try:
-        await _download(env, how, out)
+        await _download(any_env, how, out)
     except SandboxPathError:
         pass  # refusing the archive is fine; what matters is the host below
     victim = host_dir / "victim"
@@ -72,28 +102,30 @@ async def test_a_crafted_archive_writes_nothing_outside(
     ("name", "size"), [("reward.txt", 2 * MiB), ("big.bin", 16 * MiB)], ids=["parsed", "total"]
 )
 async def test_sparse_files_are_held_to_the_download_limits(
-    env: BaseEnvironment, tmp_path: Path, how: str, name: str, size: int
+    any_env: BaseEnvironment, tmp_path: Path, how: str, name: str, size: int
 ) -> None:
     # Sparse, so it compresses to nothing: the limits count apparent sizes.
-    res = await env.exec(f"mkdir -p /logs/artifacts && truncate -s {size} /logs/artifacts/{name}")
+    res = await any_env.exec(
+        f"mkdir -p /logs/artifacts && truncate -s {size} /logs/artifacts/{name}"
+    )
     assert res.return_code == 0, res.stderr
     out = tmp_path / "out"
     with pytest.raises(DownloadTooLargeError):
-        await _download(env, how, out)
+        await _download(any_env, how, out)
     assert not (out / name).exists()
 
 
 async def test_exclusions_and_filters_choose_the_files(
-    env: BaseEnvironment, tmp_path: Path
+    any_env: BaseEnvironment, tmp_path: Path
 ) -> None:
-    res = await env.exec(
+    res = await any_env.exec(
         "mkdir -p /logs/artifacts/sub && cd /logs/artifacts && echo a > keep.txt && "
         "echo b > sub/drop.pyc && echo c > sub/keep.log && echo d > reward.txt && "
         "ln -s keep.txt link.txt"
     )
     assert res.return_code == 0, res.stderr
     excl = tmp_path / "excl"
-    await env.download_dir_with_exclusions(
+    await any_env.download_dir_with_exclusions(
         source_dir="/logs/artifacts", target_dir=excl, exclude=["*.pyc"]
     )
     assert sorted(str(p.relative_to(excl)) for p in excl.rglob("*")) == [
@@ -105,7 +137,7 @@ async def test_exclusions_and_filters_choose_the_files(
     ]
     assert (excl / "link.txt").is_symlink()
     filt = tmp_path / "filt"
-    await env.download_dir_filtered(
+    await any_env.download_dir_filtered(
         source_dir="/logs/artifacts",
         target_dir=filt,
         include=["*.log", "*.txt"],
@@ -118,7 +150,7 @@ async def test_exclusions_and_filters_choose_the_files(
     ]
     assert (filt / "sub" / "keep.log").read_text() == "c\n"
     with pytest.raises(FileNotFoundError):
-        await env.download_dir_filtered(
+        await any_env.download_dir_filtered(
             source_dir="/logs/missing", target_dir=tmp_path / "none", include=["*"]
         )
 

@@ -53,6 +53,15 @@ async def test_each_sandbox_is_created_with_its_own_ttl(
         await env.stop(delete=True)
     # The lifetime is the server's only backstop for a run recorded elsewhere: 24 h is not it.
     assert [s["timeout"] for s in sent] == [7, 6 * 3600]
+    # A warm pool's launch (Harbor's other create call) gets it too.
+    await short.sdk.create_pool.aio("warm", image="ubuntu:24.04")
+    try:
+        pooled = SKY.make(tmp_path / "c", kwargs={"ttl_sec": 9, "pool": "warm"})
+        await pooled.start(force_build=False)
+        await pooled.stop(delete=True)
+    finally:
+        await short.sdk.delete_pool.aio("warm")
+    assert sent[-1]["timeout"] == 9 and sent[-1]["pool"] == "warm"
 
 
 def test_ids_that_sanitize_alike_get_distinct_names() -> None:

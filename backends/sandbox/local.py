@@ -14,15 +14,13 @@ import shlex
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 import anyio
 from harbor.environments.base import (
-    BaseEnvironment,
     ExecResult,
-    ServiceOperationsUnsupportedError,
 )
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
@@ -31,11 +29,11 @@ from harbor.environments.capabilities import (
 from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths
-from harbor.utils.path_filter import filter_paths_by_patterns
 
 from backends.sandbox import layers, transfer, unpack
 from backends.sandbox.cgroups import Limits
 from backends.sandbox.errors import SandboxNotRunningError, SandboxPathError, UnsupportedTaskError
+from backends.sandbox.filtered import CheckedDownloads
 from backends.sandbox.launcher import Bind
 from backends.sandbox.runtime import OUTPUT_LIMIT, BwrapSandbox, SandboxSpec, reap_orphans
 
@@ -102,7 +100,7 @@ DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
 TRANSFER_TIMEOUT_SEC = 1800  # a transfer the sandbox stalls must not hold a trial forever
 
 
-class LocalSandbox(BaseEnvironment):
+class LocalSandbox(CheckedDownloads):
     """A Harbor environment run as a local bubblewrap sandbox.
 
     Isolation: a user namespace mapping sandbox root to a host uid range of its own (65,536
@@ -564,50 +562,9 @@ class LocalSandbox(BaseEnvironment):
         """
         await self._download_tree(source_dir, target_dir, ["."])
 
-    async def download_dir_with_exclusions(
-        self, *, source_dir: str, target_dir: Path | str, exclude: list[str]
-    ) -> None:
-        """`download_dir` without the members matching tar's `--exclude` patterns.
-
-        Harbor's own version unpacks a sandbox-made tar.gz with tarfile on the host; this one
-        goes through the same checked unpacker and limits as `download_dir`.
-        """
-        await self._download_tree(
-            source_dir, target_dir, [f"--exclude={p}" for p in exclude] + ["."]
-        )
-
-    async def service_download_dir_with_exclusions(
-        self,
-        *,
-        source_dir: str,
-        target_dir: Path | str,
-        exclude: list[str],
-        service: str | None = None,
-    ) -> None:
-        if not self.is_main_service(service):
-            raise ServiceOperationsUnsupportedError(self._service_unsupported_message(str(service)))
-        await self.download_dir_with_exclusions(
-            source_dir=source_dir, target_dir=target_dir, exclude=exclude
-        )
-
-    async def download_dir_filtered(
-        self,
-        *,
-        source_dir: str,
-        target_dir: Path | str,
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
-        protect: Sequence[str] | None = None,
-    ) -> None:
-        """`download_dir` of the regular files matching Harbor's fnmatch filters.
-
-        As Harbor's: `include` narrows, `exclude` wins on overlap, `protect` names (exact
-        relative paths) come along regardless. Unlike Harbor's, the chosen files go through
-        the checked unpacker and limits of `download_dir`.
-        """
+    async def _list_files(self, source_dir: str) -> list[str]:
         box = self._require()
         source = transfer.sandbox_path(source_dir, self.workdir)
-        await anyio.Path(target_dir).mkdir(parents=True, exist_ok=True)
         listing = await box.run(
             ["/bin/sh", "-c", 'cd -- "$0" && exec find . -type f -print0', source],
             user=await box.resolve_user(0),
@@ -617,17 +574,7 @@ class LocalSandbox(BaseEnvironment):
             raise FileNotFoundError(
                 f"cannot list {source} for download: {listing.stderr.decode().strip()}"
             )
-        paths = [os.fsdecode(n).removeprefix("./") for n in listing.stdout.split(b"\0") if n]
-        selected = filter_paths_by_patterns(paths, include=include, exclude=exclude)
-        protected = set(protect or ()) - set(selected)
-        selected += [p for p in paths if p in protected]
-        if not selected:
-            log.warning("no files in %s matched include=%s exclude=%s", source, include, exclude)
-            return
-        names = b"".join(os.fsencode("./" + p) + b"\0" for p in selected)
-        await self._download_tree(
-            source, target_dir, ["--null", "--no-recursion", "-T", "-"], stdin=names
-        )
+        return [os.fsdecode(n).removeprefix("./") for n in listing.stdout.split(b"\0") if n]
 
     async def _download_tree(
         self,

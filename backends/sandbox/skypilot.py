@@ -29,6 +29,7 @@ import binascii
 import inspect
 import io
 import logging
+import os
 import random
 import shlex
 import shutil
@@ -56,6 +57,7 @@ from backends.sandbox.errors import (
     SandboxNotRunningError,
     SandboxStartError,
 )
+from backends.sandbox.filtered import CheckedDownloads
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ STAGING = "/tmp"
 EXEC_TAG = "BACKENDS_EXEC_ID"  # every command's processes carry it, to be found and killed
 
 
-class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
+class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     """A Harbor environment on a SkyPilot sandbox (one Kubernetes pod from an image or a pool).
 
     Harbor's kwargs (``EnvironmentConfig.kwargs``): ``registry`` (where Dockerfile tasks are
@@ -448,13 +450,47 @@ class SkyPilotSandbox(harbor_skypilot.SkypilotEnvironment):
             FileNotFoundError: no such directory. SandboxPathError: a member would land
             outside. DownloadTooLargeError: past ``max_download_bytes``.
         """
+        await self._download_tree(source_dir, target_dir, ["."])
+
+    async def _download_tree(
+        self,
+        source_dir: str,
+        target_dir: Path | str,
+        members: list[str],
+        stdin: bytes | None = None,
+    ) -> None:
         source = self._path(source_dir)
         target = Path(target_dir)
-        await self._get_archive(
-            f"-C {shlex.quote(source)} .",
-            source,
-            lambda archive: _unpack(archive, target, self._max_download, None),
+        names = None
+        if stdin is not None:  # `-T -`: the names go in a staged file, exec has no stdin
+            names = f"{STAGING}/.bk-names-{uuid.uuid4().hex}"
+            await self._require_sandbox().write_bytes.aio(stdin, names)
+            members = [names if m == "-" else m for m in members]
+        try:
+            await self._get_archive(
+                shlex.join(["-C", source, *members]),
+                source,
+                lambda archive: _unpack(archive, target, self._max_download, None),
+            )
+        finally:
+            if names is not None:
+                await self._run_shell(f"rm -f {names}", timeout_seconds=KILL_TIMEOUT_SEC)
+
+    async def _list_files(self, source_dir: str) -> list[str]:
+        source = self._path(source_dir)
+        res = await self._run_shell(
+            f"cd -- {shlex.quote(source)} && find . -type f -print0 | base64",
+            timeout_seconds=MAX_TIMEOUT_SEC,
         )
+        try:
+            listing = binascii.a2b_base64(res.stdout or "")
+        except binascii.Error:
+            listing = None
+        if res.return_code != 0 or listing is None:
+            raise FileNotFoundError(
+                f"cannot list {source} for download: {(res.stderr or '').strip()}"
+            )
+        return [os.fsdecode(n).removeprefix("./") for n in listing.split(b"\0") if n]
 
 
 _LIFETIME: ContextVar[int | None] = ContextVar("skypilot_lifetime", default=None)

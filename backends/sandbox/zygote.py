@@ -177,9 +177,6 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
         _check(_prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
         for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        # A session of its own: no controlling terminal (no /dev/tty, no TIOCSTI into the
-        # owner's shell), and no signals from the owner's terminal.
-        os.setsid()
         # Keep only our own fds, before going near a sandbox: the spawner's socket and the
         # other children's pipes and pidfds must never be within a sandbox's reach.
         high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for f in fds]
@@ -193,6 +190,12 @@ def _child(req: dict, fds: list[int], err_w: int, go_r: int, target: int | None)
         # `tasks` file the calling thread, which is all of this single-threaded process.)
         for f in req["cgroups"]:
             _write_file(f, b"0")
+        # A session of its own: no controlling terminal (no /dev/tty, no TIOCSTI into the
+        # owner's shell), and no signals from the owner's terminal. Only now, in the
+        # sandbox's cpu group: in the host's root group a new session also gets a scheduler
+        # autogroup of its own, and the move into it costs a reschedule (measured 4 ms on a
+        # loaded host, against 0.04 ms here).
+        os.setsid()
         enter = req.get("enter")
         if enter:
             assert target is not None
