@@ -190,9 +190,24 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
                     lifetime = _LIFETIME.set(self._ttl)
                     try:
                         return await super()._create_sandbox(image)
+                    except BaseException:
+                        # The server may have made it and the answer been lost: terminate
+                        # it now, not at exit, before a retry makes another.
+                        with anyio.CancelScope(shield=True):
+                            await self._release(name)
+                        raise
                     finally:
                         _LIFETIME.reset(lifetime)
         raise AssertionError("unreachable")
+
+    async def _release(self, name: str) -> None:
+        """Terminate ``name`` if the server has it; forget it once it is surely gone."""
+        try:
+            gone = await anyio.to_thread.run_sync(skyruns.release, self.sdk, [name])
+        except Exception as exc:  # kept in run.live: the exit hook or the reaper tries again
+            log.warning("%s: could not terminate after a failed create: %s", name, exc)
+            return
+        self.run.live -= gone
 
     async def start(self, force_build: bool) -> None:
         try:

@@ -74,15 +74,19 @@ class Run:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Terminate what this run still holds (a crash skips this; the next start reaps)."""
+        """Terminate what this run still holds, and forget the run only once none of it can
+        be left: a terminate that fails (the API server unreachable at exit) keeps the
+        record, so the next start finds the owner dead and reaps (as after a crash)."""
         if self.live:
             from backends.sandbox import skysdk
 
-            with contextlib.suppress(Exception):
-                terminate(skysdk.load(), sorted(self.live))
-        self.live.clear()
-        with contextlib.suppress(FileNotFoundError):
-            self.record.unlink()
+            try:
+                self.live -= release(skysdk.load(), sorted(self.live))
+            except Exception as exc:
+                log.warning("could not terminate this run's SkyPilot sandboxes: %s", exc)
+        if not self.live:
+            with contextlib.suppress(FileNotFoundError):
+                self.record.unlink()
 
 
 _current: Run | None = None
@@ -153,18 +157,29 @@ async def admission(limit: int) -> AsyncIterator[None]:
 
 def terminate(sdk: ModuleType, names: list[str]) -> list[str]:
     """Terminate these sandboxes by name (sync SDK); returns the names terminated."""
-    done = []
+    return _terminate(sdk, names)[0]
+
+
+def release(sdk: ModuleType, names: list[str]) -> set[str]:
+    """Terminate these sandboxes; returns the names now gone (terminated, or not listed)."""
+    done, absent = _terminate(sdk, names)
+    return {*done, *absent}
+
+
+def _terminate(sdk: ModuleType, names: list[str]) -> tuple[list[str], list[str]]:
+    done, absent = [], []
     by_name = {s.name: s for s in sdk.ls()}
     for name in names:
         box = by_name.get(name)
         if box is None:
+            absent.append(name)
             continue
         try:
             box.terminate(wait=True)
             done.append(name)
         except Exception as exc:
             log.warning("could not terminate SkyPilot sandbox %s: %s", name, exc)
-    return done
+    return done, absent
 
 
 def listing(sdk: ModuleType) -> list[dict[str, Any]]:
