@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	      bubblewrap debootstrap socat e2fsprogs slirp4netns libseccomp2; }
 	@test -x $(PY) || python3.12 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,strands,openai-agents]'
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,strands,openai-agents,parquet]'
 	@touch $(STAMP)
 
 run: setup

@@ -15,11 +15,11 @@ BACKENDS = [sys.executable, "-m", "backends.cli"]
 
 
 def run_cli(
-    *args: str, home: Path, env: dict[str, str] | None = None
+    *args: str, home: Path, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "BACKENDS_HOME": str(home), "COLUMNS": "200", **(env or {})}
     return subprocess.run(
-        [*BACKENDS, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [*BACKENDS, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -29,30 +29,60 @@ def only_run(home: Path) -> Path:
     return run
 
 
+def records(run_dir: Path) -> list[dict]:
+    """The lines of the run's results.jsonl."""
+    return [json.loads(line) for line in (run_dir / "results.jsonl").read_bytes().splitlines()]
+
+
+def full_results(run_dir: Path) -> list[dict]:
+    """Each line's full result (its result.json), in the order of the lines."""
+    return [json.loads((run_dir / r["result"]).read_text()) for r in records(run_dir)]
+
+
 def rollout_dir(home: Path, name: str = "row-0-0") -> Path:
     run = only_run(home)
     return run / "rollouts" / f"{run.name}.{name}"
 
 
-def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path) -> None:
-    out = tmp_path / "results.jsonl"
-    proc = run_cli("run", "-o", str(out), home=tmp_path)
+# The first run of a changed package builds and installs the example's rollout bundle (minutes
+# on a loaded machine) before its first rollout.
+MAIN_JOB_TIMEOUT = 1200
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param([], marks=[pytest.mark.sandbox, pytest.mark.timeout(MAIN_JOB_TIMEOUT)]),
+        ["--backend", "local"],
+    ],
+    ids=["harbor", "local"],
+)
+def test_main_job_on_embedded_defaults_prints_rewards(tmp_path: Path, backend: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", *backend, "-o", str(run_dir), home=tmp_path, timeout=MAIN_JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "scripted" in proc.stdout
+    where = "in this process" if backend else "in sandboxes (HarborBackend)"
+    assert where in " ".join(proc.stdout.split())
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     dataset_rows = len((REPO / "tasks/data/arithmetic.jsonl").read_text().splitlines())
     assert summary["rollouts"] == dataset_rows
     assert summary["mean_reward"] == 1.0  # the scripted policy computes arithmetic exactly
-    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert f"run directory: {run_dir}" in proc.stdout
+    assert f"report: {run_dir}/report.html" in proc.stdout
+    assert summary["report"] == str(run_dir / "report.html")
+    results = full_results(run_dir)
     results_by_id = {r["rollout_id"].split(".", 1)[1]: r for r in results}
     assert len(results) == dataset_rows
     assert all(r["status"] == "success" and r["sample"]["reward"] == 1.0 for r in results)
-    # Each rollout's artifacts landed in its own directory under BACKENDS_HOME.
-    replies = list((only_run(tmp_path) / "rollouts").glob("*.row-*/artifacts/reply.txt"))
+    # Each rollout's artifacts landed in its own directory in the run directory.
+    replies = list((run_dir / "rollouts").glob("*.row-*/artifacts/**/reply.txt"))
     assert len(replies) == dataset_rows
+    if not backend:  # the workflow ran in the sandbox, through the bundle's runner
+        assert all(r["extra_fields"]["harbor"]["task"] == "workflow" for r in results)
     # Beside them, an ATIF trajectory that Harbor's validator accepts, whose agent step carries
     # the token ids and logprobs the policy sampled, as the relay recorded them.
-    trajectory = rollout_dir(tmp_path) / "trajectory.json"
+    trajectory = run_dir / "rollouts" / "run.row-0-0" / "trajectory.json"
     check = subprocess.run(
         [sys.executable, "-m", "harbor.utils.trajectory_validator", str(trajectory)],
         capture_output=True,
@@ -166,37 +196,40 @@ def test_an_empty_dataset_is_bad_input(tmp_path: Path) -> None:
 
 def test_results_are_not_kept_until_the_end(tmp_path: Path) -> None:
     proc = run_cli(
-        "run", entrypoint(tmp_path), "--max-in-flight", "1", "-o", str(tmp_path / "out.jsonl"),
+        "run", entrypoint(tmp_path), "--max-in-flight", "1", "-o", str(tmp_path / "out"),
         home=tmp_path, env={"TEST_MODE": "memory"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 12
+    assert len(records(tmp_path / "out")) == 12
+
+
+def run_files(run_dir: Path) -> str:
+    """Every file the run wrote, as one text."""
+    return "\n".join(p.read_text() for p in sorted(run_dir.rglob("*")) if p.is_file())
 
 
 def test_secrets_are_redacted_in_output_files_and_table(tmp_path: Path) -> None:
-    out = tmp_path / "out.jsonl"
     ep = entrypoint(tmp_path)
     proc = run_cli(
-        "run", ep, "-d", str(two_rows(tmp_path)), "-o", str(out),
+        "run", ep, "-d", str(two_rows(tmp_path)), "-o", str(tmp_path / "a"),
         # The workflow never calls the policy: nothing listens there.
-        "--policy-url", "http://alice:hunter2pass@127.0.0.1:9/v1",
-        "--policy-key", "policy-key-0123456789",
-        home=tmp_path, env={"TEST_MODE": "secret"},
+        "--policy-url", "http://alice:hunter2pass@127.0.0.1:9/v1", "--api-key-env", "MY_KEY",
+        home=tmp_path, env={"TEST_MODE": "secret", "MY_KEY": "policy-key-0123456789"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    trajectory = (rollout_dir(tmp_path) / "trajectory.json").read_text()
+    trajectory = (tmp_path / "a/rollouts/a.row-0-0/trajectory.json").read_text()
     planted = ["hunter2pass", "sk-proj-", "abcdefghijklmnop", "policy-key-0123456789"]
-    for text in (proc.stdout + proc.stderr, trajectory, out.read_text()):
+    for text in (proc.stdout + proc.stderr, run_files(tmp_path / "a")):
         assert not [s for s in planted if s in text], text
     assert "OPENAI_API_KEY=[REDACTED]" in trajectory
-    # Failure messages, in the table and the results file.
+    # Failure messages, in the table and the results files.
     proc = run_cli(
-        "run", ep, "-d", str(two_rows(tmp_path)), "-o", str(out),
+        "run", ep, "-d", str(two_rows(tmp_path)), "-o", str(tmp_path / "b"),
         home=tmp_path, env={"TEST_MODE": "fail"},
     )  # fmt: skip
     assert proc.returncode == 1
     assert "agent crashed holding [REDACTED]" in proc.stdout
-    assert "sk-proj-" not in proc.stdout + proc.stderr + out.read_text()
+    assert "sk-proj-" not in proc.stdout + proc.stderr + run_files(tmp_path / "b")
 
 
 def test_runs_one_after_the_other_keep_their_own_files(tmp_path: Path) -> None:
@@ -213,7 +246,7 @@ def test_runs_one_after_the_other_keep_their_own_files(tmp_path: Path) -> None:
     assert len(runs) == 2
     second = runs[1] if runs[0] == first.parent.parent else runs[0]
     assert not list(second.glob("rollouts/*/trajectory.json"))  # no sample, no trajectory
-    results = [json.loads(line) for line in (second / "results.jsonl").read_text().splitlines()]
+    results = records(second)
     assert {r["status"] for r in results} == {"failure"}
     assert all(r["rollout_id"].startswith(second.name + ".") for r in results)
 
@@ -276,7 +309,10 @@ def test_a_row_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path) 
     [
         (["--agent-timeout", "inf"], "--agent-timeout"),
         (["--grader-timeout", "nan"], "--grader-timeout"),
-        (["-o", "no/such/dir/out.jsonl"], "--output"),
+        (["-o", "README.md"], "--run-dir"),
+        (["--retry-failed", "bogus"], "--retry-failed"),
+        (["--backend", "docker"], "--backend"),
+        (["-a", "oracle"], "-a"),
     ],
 )
 def test_bad_options_are_named(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -8,15 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli_run import REPO, only_run, run_cli
+from test_cli_run import REPO, full_results, run_cli
 
 
 @pytest.mark.parametrize("example", ["strands-calculator", "openai-agents-calculator"])
 def test_example_runs_with_tool_calls_through_the_relay(example: str, tmp_path: Path) -> None:
-    out = tmp_path / "results.jsonl"
+    out = tmp_path / "run"
     proc = run_cli(
         "run",
         f"tasks/rollouts/{example}/main.py:backend",
+        "--backend",
+        "local",
         "-d",
         "tasks/data/calculator.jsonl",
         "-o",
@@ -29,12 +31,11 @@ def test_example_runs_with_tool_calls_through_the_relay(example: str, tmp_path: 
     # Every row: a tool call, then the answer; both policy calls went through the relay.
     expected = {"rollouts": rows, "graded": rows, "mean_reward": 1.0, "failures": {}}
     assert expected.items() <= summary.items() and summary["policy_calls"] == 2 * rows
-    for line in out.read_text().splitlines():
-        result = json.loads(line)
+    for result in full_results(out):
         calls = result["extra_fields"]["policy_trace"]["calls"]
         assert [c["choices"][0]["finish_reason"] for c in calls] == ["tool_calls", "stop"]
         assert "unrelayed_assistant_turns" not in result["sample"]["extra_fields"]
-        trajectory = only_run(tmp_path) / "rollouts" / result["rollout_id"] / "trajectory.json"
+        trajectory = out / "rollouts" / result["rollout_id"] / "trajectory.json"
         check = subprocess.run(
             [sys.executable, "-m", "harbor.utils.trajectory_validator", str(trajectory)],
             capture_output=True,

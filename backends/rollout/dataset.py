@@ -1,7 +1,14 @@
-"""Dataset rows (JSONL: ``system_prompt``, ``user_prompt``, ``ground_truth``, ``metadata``) as requests."""
+"""Dataset rows (``system_prompt``, ``user_prompt``, ``ground_truth``, ``metadata``) as requests.
+
+A dataset is a JSONL file (one object a line), a CSV file with a header row (``metadata`` a JSON
+object in its cell) or a Parquet file (``metadata`` a struct or a JSON string), picked by the
+file's suffix (``.csv``, ``.parquet`` / ``.pq``; anything else is JSONL). Each is streamed.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +75,16 @@ def read_rows(
     text with a lone surrogate (no UTF-8 form, so no rollout could send it), a bad field."""
     if not path.is_file():
         raise DatasetError(f"dataset {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        yield from _csv_rows(path, max_row_bytes)
+    elif suffix in (".parquet", ".pq"):
+        yield from _parquet_rows(path, max_row_bytes)
+    else:
+        yield from _jsonl_rows(path, max_row_bytes)
+
+
+def _jsonl_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, DatasetRow]]:
     # Bytes, decoded line by line, so that a bad encoding is reported with its line number;
     # read with a bound, so a huge line is refused without being held whole.
     with path.open("rb") as handle:
@@ -102,6 +119,10 @@ def _parse_row(path: Path, number: int, raw: bytes) -> DatasetRow | None:
         raise DatasetError(f"{where}: not usable JSON ({exc})") from None
     if not isinstance(data, dict):
         raise DatasetError(f"{where}: a row must be a JSON object")
+    return _checked_row(where, data)
+
+
+def _checked_row(where: str, data: dict[str, Any]) -> DatasetRow:
     if problem := json_problem(data, "row", strict_text=True):
         raise DatasetError(f"{where}: {problem.removeprefix('row.')}")
     try:
@@ -114,6 +135,70 @@ def _parse_row(path: Path, number: int, raw: bytes) -> DatasetRow | None:
     if not row.user_prompt and not row.metadata:
         raise DatasetError(f"{where}: a row needs user_prompt or metadata")
     return row
+
+
+def _csv_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, DatasetRow]]:
+    """A header row, then one row a record; empty cells are absent, ``metadata`` is JSON."""
+    csv.field_size_limit(max_row_bytes)
+    with path.open("rb") as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+        reader = csv.DictReader(text)
+        number = 1
+        try:
+            for record in reader:
+                number = reader.line_num
+                where = f"{path}:{number}"
+                if None in record:
+                    raise DatasetError(f"{where}: more cells than the header has columns")
+                data: dict[str, Any] = {k: v for k, v in record.items() if v not in ("", None)}
+                if not data:
+                    continue
+                if "metadata" in data:
+                    data["metadata"] = _json_cell(where, data["metadata"])
+                yield number, _checked_row(where, data)
+        except UnicodeDecodeError as exc:
+            raise DatasetError(
+                f"{path}:{reader.line_num + 1}: not UTF-8 text ({exc.reason})"
+            ) from None
+        except csv.Error as exc:
+            raise DatasetError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from None
+
+
+def _json_cell(where: str, cell: Any) -> Any:
+    if not isinstance(cell, str):
+        return cell
+    try:
+        return json.loads(cell)
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        raise DatasetError(f"{where}: metadata: not a JSON object") from None
+
+
+def _parquet_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[int, DatasetRow]]:
+    """Row by row in batches; ``metadata`` a struct column or JSON text. Rows count from 1."""
+    try:
+        import pyarrow.parquet as pq  # optional: `pip install 'backends[parquet]'`
+    except ImportError:
+        raise DatasetError(
+            f"{path}: reading Parquet needs pyarrow (pip install 'backends[parquet]')"
+        ) from None
+    try:
+        handle = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises its own ArrowInvalid, OSError, ...
+        raise DatasetError(f"{path}: not a readable Parquet file ({exc})") from None
+    number = 0
+    with handle:
+        for batch in handle.iter_batches(batch_size=256):
+            for record in batch.to_pylist():
+                number += 1
+                where = f"{path}: row {number}"
+                data = {k: v for k, v in record.items() if v is not None}
+                if "metadata" in data:
+                    data["metadata"] = _json_cell(where, data["metadata"])
+                if len(json.dumps(data, default=str)) > max_row_bytes:
+                    raise DatasetError(
+                        f"{where}: the row is larger than the {max_row_bytes}-byte limit"
+                    )
+                yield number, _checked_row(where, data)
 
 
 def count_rows(path: Path, *, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> int:
