@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null \
 	  && command -v mkfs.ext4 >/dev/null && command -v slirp4netns >/dev/null \
 	  && command -v cc >/dev/null && test -f "$$(cc -print-file-name=libc.a)" \
+	  && command -v chromium >/dev/null && fc-list | grep -q DejaVuSans \
 	  && ldconfig -p | grep -q 'libseccomp\.so\.2 ' || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	      bubblewrap debootstrap socat e2fsprogs slirp4netns libseccomp2 gcc libc6-dev; }
+	      bubblewrap debootstrap socat e2fsprogs slirp4netns libseccomp2 gcc libc6-dev \
+	      chromium fonts-dejavu-core; }
 	@test -x $(PY) || python3.12 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade uv
 	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev,strands,openai-agents,parquet]'

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from backends import (
@@ -29,13 +30,19 @@ from backends import (
     collect,
 )
 from backends.bundle import Bundle, BundleError, build_bundle
+from backends.bundle import environment as environment_module
 from backends.bundle.agent import WorkflowPlan
 from backends.bundle.build import bundle_key
+from backends.bundle.environment import image_platform, platform_of
 from backends.bundle.models import RunnerInput, RunnerOutput
 from backends.harbor import HarborBackend
 from backends.relay.scripted import ScriptedPolicy
 from backends.rollout.dataset import requests_from_dataset
 from backends.rollout.sample import RolloutSample
+
+# A test may be the first to build and install a bundle: a minute, and up to 15 measured on
+# a host loaded with other suites.
+pytestmark = pytest.mark.timeout(1800)
 
 ROOT = Path(__file__).parents[1]
 ARITHMETIC = ROOT / "tasks" / "rollouts" / "arithmetic"
@@ -106,7 +113,27 @@ def test_projects_that_cannot_ship_fail_before_any_sandbox(tmp_path: Path) -> No
     root = tmp_path / "bundles"
     with pytest.raises(BundleError, match=r"resolving the project's dependencies failed"):
         build_bundle(impossible, root=root)
-    assert [p for p in root.iterdir() if p.name != "wheelhouse"] == []  # nothing half-built
+    # Nothing half-built (a lock file is no bundle: pruning removes it).
+    assert [p for p in root.iterdir() if p.name != "wheelhouse" and p.suffix != ".lock"] == []
+
+
+def test_the_platform_is_read_from_the_image_and_an_image_without_glibc_is_refused() -> None:
+    assert platform_of("glibc 2.36\nx86_64\n") == "manylinux_2_36_x86_64"
+    assert platform_of("glibc 2.28\naarch64\n") == "manylinux_2_28_aarch64"
+    with pytest.raises(BundleError, match="no glibc"):
+        platform_of("none\nx86_64\n")
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_the_image_is_asked_for_its_platform_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(environment_module, "platforms_dir", lambda: tmp_path / "platforms")
+    assert await image_platform(TEMPLATE / "environment", "debian:12") == "manylinux_2_36_x86_64"
+    (recorded,) = (tmp_path / "platforms").iterdir()
+    recorded.write_text("manylinux_2_99_x86_64")  # later asks read what the first one found
+    assert await image_platform(TEMPLATE / "environment", "debian:12") == "manylinux_2_99_x86_64"
 
 
 def test_harbor_backend_refuses_a_workflow_it_cannot_ship(tmp_path: Path) -> None:
@@ -274,6 +301,92 @@ async def test_the_label_is_nowhere_in_the_sandbox_and_there_is_no_network(
     assert planted in report
     assert label not in report
     assert "network=unreachable" in report
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_running_backend_holds_its_bundle_and_environment_against_pruning(
+    tmp_path: Path, relay: Relay
+) -> None:
+    backend = in_sandbox(tmp_path, "ReturnsOutput")
+    result = await run_one(relay, backend)
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    plan = backend.settings.workflow
+    assert plan is not None and plan.environment is not None
+    environment = plan.environment
+    # Another process prunes everything it can (a dry run: the cache is shared).
+    script = str(Path(sys.executable).with_name("backends"))
+    done = await anyio.run_process([script, "bundle", "prune", "--all", "--dry-run", "--json"])
+    doc = json.loads(done.stdout)
+    in_use = {entry["path"] for entry in doc["in_use"]}
+    removed = {entry["path"] for entry in doc["removed"]}
+    assert {str(environment.path), str(environment.bundle.path)} <= in_use
+    assert not {str(environment.path), str(environment.bundle.path)} & removed
+    await backend.aclose()  # from now on the cache may prune them
+    assert plan.environment is None
+    assert environment.hold is not None and not environment.hold.held
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_the_install_check_cannot_alter_the_environment_it_imports_from(
+    tmp_path: Path,
+) -> None:
+    project = copy_project(tmp_path)
+    with (project / "main.py").open("a") as handle:
+        handle.write(
+            "\n\ntry:  # import-time code writing into its own installed environment\n"
+            "    import sys as _sys\n"
+            "    if '/environments/' in _sys.prefix:\n"
+            "        open(_sys.prefix + '/planted-at-import', 'w').write('x')\n"
+            "except OSError:\n"
+            "    pass\n"
+        )
+    plan = WorkflowPlan.of(f"{project}/main.py:ReturnsOutput")
+    assert plan is not None
+    environment = await plan.prepare(TEMPLATE)
+    try:
+        assert environment.python.is_file()
+        assert not (environment.path / "planted-at-import").exists()
+    finally:
+        plan.close()
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_running_workflow_previews_live_from_inside_its_sandbox(
+    tmp_path: Path, relay: Relay
+) -> None:
+    backend = in_sandbox(tmp_path, "Previewed")
+    await backend.start()
+    assert backend.settings.workflow is not None
+    backend.settings.workflow.preview_interval_sec = 0.2
+    request = RolloutRequest(rollout_id="previewed", prompt=PROMPT, label="expected")
+    relayed = RelayedBackend(backend, relay)
+    seen: list[RolloutSample] = []
+    tokens: set[str | None] = set()
+    results: list[RolloutResult] = []
+
+    async def run() -> None:
+        results.append(await relayed.execute(request))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while not results:
+            live = backend.rollout_context("previewed")
+            if live is not None:
+                tokens.add(live.api_key)
+                preview = await live.sample_source.get_preview(100)
+                if preview is not None:
+                    seen.append(preview)
+            await anyio.sleep(0.1)
+    assert results[0].status is RolloutStatus.SUCCESS, results[0].failure
+    assert seen, "no preview reached the host while the workflow ran"
+    assert seen[0].messages[-1]["content"] == "thinking it over"
+    assert seen[0].reward is None and seen[0].label is None
+    # The publisher redacts with the rollout's relay token (never the upstream key).
+    assert tokens and None not in tokens and "upstream-key-never-in-a-sandbox" not in tokens
+    assert backend.rollout_context("previewed") is None  # over: nothing left to preview
 
 
 @pytest.mark.sandbox

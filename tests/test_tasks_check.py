@@ -128,3 +128,18 @@ def test_task_text_is_not_read_as_terminal_markup(tmp_path: Path) -> None:
     done = check(tmp_path / "tasks", home=tmp_path)
     assert done.returncode == 1
     assert "│ x[bold]y " in done.stdout
+
+
+def test_the_network_hint_reads_only_the_start_of_regular_test_scripts(tmp_path: Path) -> None:
+    from harbor.models.task.config import TaskConfig
+
+    from backends.cli.tasks_verdict import network_fetch
+
+    task = make_task(tmp_path, "t", test="#!/bin/bash\n# curl in a comment\nwget -q http://x/\n")
+    config = TaskConfig()
+    assert network_fetch(task, config) == "tests/test.sh:3: wget -q http://x/"
+    offline = TaskConfig.model_validate({"verifier": {"network_mode": "no-network"}})
+    assert network_fetch(task, offline) is None  # the task chose no network: its failure
+    (task / "tests" / "test.sh").unlink()
+    (task / "tests" / "test.sh").symlink_to("/dev/zero")  # would never end if read whole
+    assert network_fetch(task, config) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,14 @@ from harbor.models.agent.context import AgentContext
 from harbor.models.task.config import TaskConfig as HarborTaskConfig
 
 from backends.bundle.build import Bundle, BundleError, build_bundle
-from backends.bundle.environment import Environment, ensure_environment
-from backends.bundle.models import RunnerInput, RunnerOutput, read_bounded
+from backends.bundle.environment import Environment, ensure_environment, image_platform
+from backends.bundle.models import (
+    MAX_PREVIEW_BYTES,
+    PreviewSnapshot,
+    RunnerInput,
+    RunnerOutput,
+    read_bounded,
+)
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
 from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest
@@ -33,10 +40,13 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.workflow import AgentWorkflow
 from backends.sandbox.local import DEFAULT_RELAY_PORT
+from backends.trajectory.preview import MAX_PREVIEW_STEPS
 
 BUNDLE_AGENT = "backends.bundle.agent:BundleAgent"
 OUTPUT_FILE = "runner_output.json"
 INPUT_FILE = "runner_input.json"
+PREVIEW_FILE = "runner_preview.json"
+PREVIEW_INTERVAL_SEC = 2.0
 ARTIFACTS_DIR = "/logs/artifacts"  # Harbor collects it like any agent's artifacts
 
 
@@ -52,7 +62,9 @@ class WorkflowPlan:
         self.entrypoint = entrypoint
         self.workflow_config = workflow_config
         self.environment: Environment | None = None
+        self.preview_interval_sec = PREVIEW_INTERVAL_SEC
         self._lock = anyio.Lock()
+        self._key = uuid.uuid4().hex  # this plan's rollouts in the live-preview registry
 
     @classmethod
     def of(cls, agent: Any, *, workflow_config: Any = None) -> WorkflowPlan | None:
@@ -90,20 +102,38 @@ class WorkflowPlan:
         return f"workflow {self.project.name}/{self.entrypoint}"
 
     async def prepare(self, task_dir: Path) -> Environment:
-        """Build the bundle and install it for the task's image, once (both cached on disk)."""
+        """Build the bundle and install it for the task's image, once (both cached on disk).
+
+        Both stay held (the cache never prunes them) until ``close()``.
+        """
         async with self._lock:
             if self.environment is None:
                 task = HarborTaskConfig.model_validate_toml((task_dir / "task.toml").read_text())
+                image_dir, image = task_dir / "environment", task.environment.docker_image
+                platform = await image_platform(image_dir, image)
                 bundle: Bundle = await anyio.to_thread.run_sync(
-                    lambda: build_bundle(self.project, entrypoint=self.entrypoint)
+                    lambda: build_bundle(
+                        self.project, entrypoint=self.entrypoint, platform=platform
+                    )
                 )
-                self.environment = await ensure_environment(
-                    bundle,
-                    environment_dir=task_dir / "environment",
-                    docker_image=task.environment.docker_image,
-                    entrypoint=self.entrypoint,
-                )
+                try:
+                    self.environment = await ensure_environment(
+                        bundle,
+                        environment_dir=image_dir,
+                        docker_image=image,
+                        entrypoint=self.entrypoint,
+                    )
+                except BaseException:
+                    bundle.release()
+                    raise
             return self.environment
+
+    def close(self) -> None:
+        """Let the cache prune this plan's bundle and environment again."""
+        environment, self.environment = self.environment, None
+        if environment is not None:
+            environment.release()
+            environment.bundle.release()
 
     def runner_input(self, request: RolloutRequest) -> RunnerInput:
         """The runner's input for ``request``: its route through the relay, never its label.
@@ -123,6 +153,8 @@ class WorkflowPlan:
             base_url=route.sandbox_base_url(forwarder_port=DEFAULT_RELAY_PORT),
             api_key=route.api_key,
             artifacts_dir=ARTIFACTS_DIR,
+            preview_interval_sec=self.preview_interval_sec,
+            preview_messages=MAX_PREVIEW_STEPS,
         )
 
     def agent_kwargs(self, request: RolloutRequest) -> dict[str, Any]:
@@ -131,7 +163,12 @@ class WorkflowPlan:
         return {
             "runner_input": self.runner_input(request).model_dump(mode="json"),
             "python": str(self.environment.python),
+            "live_key": f"{self._key}/{request.rollout_id}",
         }
+
+    def live_context(self, rollout_id: str) -> LivePreview | None:
+        """What the preview publisher reads of ``rollout_id`` while its workflow runs."""
+        return _LIVE.get(f"{self._key}/{rollout_id}")
 
     def environment_kwargs(self, request: RolloutRequest, kwargs: dict[str, Any]) -> dict[str, Any]:
         """LocalSandbox kwargs for the trial: the environment bound in, the relay's socket."""
@@ -177,6 +214,41 @@ class WorkflowPlan:
         return sample
 
 
+class LivePreview:
+    """A running workflow as the preview publisher sees a ``RolloutContext``.
+
+    Its sample source reads the runner's latest preview out of the sandbox (bounded, and
+    only what the runner wrote whole); the publisher redacts it with ``api_key``.
+    """
+
+    preview_enabled = True
+
+    def __init__(self, environment: BaseEnvironment, path: str, api_key: str | None) -> None:
+        self.environment = environment
+        self.path = path
+        self.api_key = api_key
+
+    @property
+    def sample_source(self) -> LivePreview:
+        return self
+
+    async def get_preview(self, max_messages: int) -> RolloutSample | None:
+        with tempfile.TemporaryDirectory() as scratch:
+            local = Path(scratch) / PREVIEW_FILE
+            try:
+                await self.environment.download_file(self.path, local)
+                snapshot = PreviewSnapshot.model_validate_json(
+                    read_bounded(local, MAX_PREVIEW_BYTES)
+                )
+            except (OSError, ValueError):  # none yet, or unusable: no preview this time
+                return None
+        return RolloutSample(messages=snapshot.messages[-max_messages:])
+
+
+# Rollouts whose runner runs now, by "<plan key>/<rollout id>".
+_LIVE: dict[str, LivePreview] = {}
+
+
 def _agent_failure(message: str) -> RolloutFailure:
     return RolloutFailure(category=ErrorCategory.AGENT_ERROR, phase=Phase.AGENT, message=message)
 
@@ -191,6 +263,7 @@ class BundleAgent(BaseAgent):
         *args: Any,
         runner_input: dict[str, Any] | None = None,
         python: str = "",
+        live_key: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(logs_dir, model_name, *args, **kwargs)
@@ -198,6 +271,7 @@ class BundleAgent(BaseAgent):
             raise ValueError("BundleAgent is started by HarborBackend with agent=<AgentWorkflow>")
         self.runner_input = RunnerInput.model_validate(runner_input)
         self.python = python
+        self.live_key = live_key
 
     @staticmethod
     def name() -> str:
@@ -218,17 +292,30 @@ class BundleAgent(BaseAgent):
         self, instruction: str, environment: BaseEnvironment, context: AgentContext
     ) -> None:
         agent_dir = str(self.environment_logs_dir)
+        spec = self.runner_input
+        if self.live_key:
+            spec = spec.model_copy(update={"preview_file": f"{agent_dir}/{PREVIEW_FILE}"})
         with tempfile.TemporaryDirectory() as scratch:
             local = Path(scratch) / INPUT_FILE
-            local.write_text(self.runner_input.model_dump_json())
+            local.write_text(spec.model_dump_json())
             await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
         command = (
             f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
             f"{agent_dir}/{INPUT_FILE} {agent_dir}/{OUTPUT_FILE}; status=$?; "
             f"rm -f {agent_dir}/{INPUT_FILE}; exit $status"
         )
-        # PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
-        result = await environment.exec(command, env={"PYTHONDONTWRITEBYTECODE": "1"}, user=None)
+        if self.live_key:  # the host may preview the rollout meanwhile
+            _LIVE[self.live_key] = LivePreview(
+                environment, f"{agent_dir}/{PREVIEW_FILE}", self.runner_input.api_key
+            )
+        try:
+            # PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
+            result = await environment.exec(
+                command, env={"PYTHONDONTWRITEBYTECODE": "1"}, user=None
+            )
+        finally:
+            if self.live_key:
+                _LIVE.pop(self.live_key, None)
         if not (self.logs_dir / OUTPUT_FILE).exists():
             # No output: WorkflowPlan.collect reports the missing sample.
             with contextlib.suppress(Exception):

@@ -27,13 +27,14 @@ import sys
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from backends.bundle import cache
 from backends.bundle.models import BundleManifest
 from backends.sandbox.settings import cache_dir
 
@@ -66,10 +67,16 @@ class BundleError(ValueError):
 
 @dataclass(frozen=True)
 class Bundle:
-    """A built bundle on disk."""
+    """A built bundle on disk; ``hold`` keeps the cache's pruning off it while it is used."""
 
     path: Path
     manifest: BundleManifest
+    hold: cache.Hold | None = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        """Let the cache prune this bundle again (once nobody else holds it)."""
+        if self.hold is not None:
+            self.hold.release()
 
     @property
     def key(self) -> str:
@@ -357,11 +364,39 @@ def build_bundle(
     key = bundle_key(project, python=python, platform=platform)
     root = root or bundles_dir()
     target = root / key
-    if (target / "manifest.json").is_file():
-        return Bundle.open(target)
+    # Held from here for as long as the caller uses the bundle: pruning never takes it.
+    held = cache.hold_blocking(target)
+    try:
+        if not (target / "manifest.json").is_file():
+            _build(project, target, name=name, deps=deps, entrypoint=entrypoint,
+                   python=python, platform=platform)  # fmt: skip
+            built = True
+        else:
+            built = False
+        cache.stamp(target)
+        bundle = Bundle.open(target)
+    except BaseException:
+        held.release()
+        raise
+    if built:
+        cache.prune_to_bound()
+    return Bundle(bundle.path, bundle.manifest, held)
+
+
+def _build(
+    project: Path,
+    target: Path,
+    *,
+    name: str,
+    deps: list[str],
+    entrypoint: str | None,
+    python: str,
+    platform: str,
+) -> None:
+    root = target.parent
     started = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         source = stage / "source"
         for rel in _package_files(package_source()):
@@ -394,12 +429,16 @@ def build_bundle(
             if line.strip() and not line.lstrip().startswith("#")
         ]
         others = [p for p in pins if _requirement_name(p) != PACKAGE]
-        wheelhouse = root / "wheelhouse" / f"{platform}-py{python}"
-        _download(others, wheelhouse, python=python, platform=platform)
-        wanted = {_pin(p) for p in others}
-        for wheel in wheelhouse.glob("*.whl"):
-            if parse_wheel_filename(wheel.name)[:2] in wanted:
-                os.link(wheel, wheels / wheel.name)
+        wheelhouse = root / cache.WHEELHOUSE / f"{platform}-py{python}"
+        using = cache.hold_blocking(wheelhouse)  # pruning leaves its wheels until linked
+        try:
+            _download(others, wheelhouse, python=python, platform=platform)
+            wanted = {_pin(p) for p in others}
+            for wheel in wheelhouse.glob("*.whl"):
+                if parse_wheel_filename(wheel.name)[:2] in wanted:
+                    os.link(wheel, wheels / wheel.name)
+        finally:
+            using.release()
         (stage / "requirements.txt").write_text("\n".join([*others, PACKAGE]) + "\n")
         files = project_files(project)
         for rel in files:
@@ -407,7 +446,7 @@ def build_bundle(
             shutil.copy2(project / rel, stage / "project" / rel)
         size = sum(p.stat().st_size for p in stage.rglob("*") if p.is_file())
         manifest = BundleManifest(
-            key=key,
+            key=target.name,
             name=name,
             python=python,
             platform=platform,
@@ -426,4 +465,3 @@ def build_bundle(
                 raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return Bundle.open(target)

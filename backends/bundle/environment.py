@@ -5,7 +5,8 @@ Python (>= 3.12; the base image's python3 is 3.11) and uv are bound read-only, t
 wheels read-only, and the new environment read-write at the path it will always have. The
 wheels were resolved for the sandbox's platform, so native extensions match it; the bytecode
 is compiled at install so read-only runs never recompile. Then the runner's ``check`` imports
-the entrypoint with exactly what was installed. Later rollouts bind the finished environment
+the entrypoint with exactly what was installed, in a second sandbox that shows the environment
+read-only (as every rollout sees it). Later rollouts bind the finished environment
 read-only and install nothing.
 
 For remote providers, the same steps belong in the image: a ``sandbox_images/`` Dockerfile
@@ -14,26 +15,28 @@ with Python 3.12 that copies a bundle and runs this install script in a RUN step
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from backends.bundle import cache
 from backends.bundle.build import Bundle, BundleError, uv_binary
 from backends.sandbox.settings import UID_BASE, cache_dir
 
 INSTALL_TIMEOUT_SEC = 900
 UV_IN_SANDBOX = "/opt/backends/bin/uv"
+Bind = dict[str, Any]  # a LocalSandbox extra_binds entry
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class Environment:
     path: Path
     bundle: Bundle
     python_prefix: Path
+    hold: cache.Hold | None = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        """Let the cache prune this environment again (once nobody else holds it)."""
+        if self.hold is not None:
+            self.hold.release()
 
     @property
     def python(self) -> Path:
@@ -67,6 +76,53 @@ def image_identity(environment_dir: Path, docker_image: str | None) -> str:
         digest.update(path.relative_to(environment_dir).as_posix().encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
+
+
+def platforms_dir() -> Path:
+    return cache_dir() / "image-platforms"
+
+
+async def image_platform(environment_dir: Path, docker_image: str | None) -> str:
+    """The wheel platform of the sandbox's image, e.g. ``manylinux_2_36_x86_64``.
+
+    Asked of the image itself (its glibc, the machine), in a sandbox, once per image: a
+    bundle's native extensions must load there, whatever the host has.
+    """
+    identity = image_identity(environment_dir, docker_image)
+    known = platforms_dir() / identity[:32]
+    try:
+        return known.read_text().strip()
+    except OSError:
+        pass
+    out = await _run_in_sandbox(
+        environment_dir,
+        docker_image,
+        [],
+        "getconf GNU_LIBC_VERSION 2>/dev/null || echo none; uname -m",
+        name="bundle-platform",
+        what="asking the sandbox's image for its platform",
+    )
+    platform = platform_of(out)
+    known.parent.mkdir(parents=True, exist_ok=True)
+    partial = known.with_name(f".{known.name}.{uuid.uuid4().hex[:8]}")
+    partial.write_text(platform)
+    os.replace(partial, known)
+    return platform
+
+
+def platform_of(probe: str) -> str:
+    """``manylinux_2_NN_<arch>`` from ``getconf GNU_LIBC_VERSION`` and ``uname -m`` output."""
+    lines = probe.strip().splitlines()
+    libc = lines[0].split() if lines else []
+    arch = lines[-1].strip() if len(lines) >= 2 else ""
+    if len(libc) != 2 or libc[0] != "glibc" or not re.fullmatch(r"2\.\d+", libc[1]):
+        raise BundleError(
+            f"the sandbox's image has no glibc ({probe.strip()!r}): bundles ship manylinux "
+            "wheels and run the host's Python, which need one"
+        )
+    if not re.fullmatch(r"[a-z0-9_]+", arch):
+        raise BundleError(f"the sandbox's image reports an unusable machine {arch!r}")
+    return f"manylinux_{libc[1].replace('.', '_')}_{arch}"
 
 
 def environment_key(bundle: Bundle, image: str, python_prefix: Path) -> str:
@@ -106,103 +162,147 @@ async def ensure_environment(
 
     ``environment_dir`` (and ``docker_image``) describe the sandbox's image, as in a Harbor
     task. Raises ``BundleError`` if the install or the entrypoint's import fails inside.
-    Concurrent callers, in this process or others, install once.
+    Concurrent callers, in this process or others, install once. The environment comes held:
+    the cache does not prune it until ``release()``.
     """
     prefix = Path(sys.base_prefix)
     image = image_identity(environment_dir, docker_image)
     root = root or environments_dir()
     path = root / environment_key(bundle, image, prefix)
-    found = Environment(path, bundle, prefix)
-    if (path / ".complete").is_file():
-        return found
-    root.mkdir(parents=True, exist_ok=True)
-    lock_path = root / f"{path.name}.lock"
-    async with _file_lock(lock_path):
+    installed = False
+    while True:
+        held = await cache.hold(path)
         if (path / ".complete").is_file():
-            return found
-        stage = root / f".{path.name}.{uuid.uuid4().hex[:8]}"
-        stage.mkdir()
-        os.chown(stage, UID_BASE, UID_BASE)  # sandbox root writes it
+            break
+        held.release()
+        installer = await cache.hold(path, exclusive=True)
         try:
-            await _install_in_sandbox(
-                bundle, stage, path, environment_dir, docker_image, entrypoint
-            )
-            marker = {"bundle": bundle.key, "image": image, "python": str(prefix)}
-            (stage / ".complete").write_text(json.dumps(marker))
-            os.rename(stage, path)
+            if not (path / ".complete").is_file():
+                await _install(bundle, path, environment_dir, docker_image, entrypoint, image)
+                installed = True
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    return found
+            installer.release()
+    cache.stamp(path)
+    if installed:
+        await anyio.to_thread.run_sync(cache.prune_to_bound)
+    return Environment(path, bundle, prefix, held)
 
 
-async def _install_in_sandbox(
+async def _install(
     bundle: Bundle,
-    stage: Path,
-    target: Path,
+    path: Path,
     environment_dir: Path,
     docker_image: str | None,
     entrypoint: str | None,
+    image: str,
 ) -> None:
+    """Install into a stage shown at ``path``, check the entrypoint, then move it there."""
+    stage = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    stage.mkdir(parents=True)
+    os.chown(stage, UID_BASE, UID_BASE)  # sandbox root writes it
+    python = Path(sys.base_prefix) / "bin" / "python3"
+    try:
+        await _run_in_sandbox(
+            environment_dir,
+            docker_image,
+            [
+                {"source": uv_binary(), "target": UV_IN_SANDBOX, "read_only": True},
+                *_bundle_binds(bundle, stage, path, read_only=False),
+            ],
+            install_script(bundle, path, python, entrypoint=None),
+            name=f"bundle-install-{bundle.key[:12]}",
+            what=f"installing bundle {bundle.key} offline in the sandbox",
+        )
+        if entrypoint:
+            # With the environment read-only, as every rollout sees it: the project's
+            # import-time code cannot alter what later rollouts run.
+            await _check_in_sandbox(bundle, environment_dir, docker_image, stage, path, entrypoint)
+        (stage / cache.SIZE_FILE).write_text(str(cache.disk_size(stage)))
+        marker = {"bundle": bundle.key, "image": image, "python": str(sys.base_prefix)}
+        (stage / ".complete").write_text(json.dumps(marker))
+        os.rename(stage, path)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+async def _check_in_sandbox(
+    bundle: Bundle,
+    environment_dir: Path,
+    docker_image: str | None,
+    stage: Path,
+    path: Path,
+    entrypoint: str,
+) -> None:
+    q = shlex.quote
+    script = (
+        f"cd {q(str(bundle.project_dir))} && PYTHONDONTWRITEBYTECODE=1 "
+        f"{q(str(path / 'bin' / 'python'))} -m backends.bundle.runner check "
+        f"{q(str(bundle.project_dir))} {q(entrypoint)}"
+    )
+    stdout = await _run_in_sandbox(
+        environment_dir,
+        docker_image,
+        _bundle_binds(bundle, stage, path, read_only=True),
+        script,
+        name=f"bundle-check-{bundle.key[:12]}",
+        what=f"checking entrypoint {entrypoint!r} in the sandbox",
+    )
+    verdict = json.loads(stdout.strip().splitlines()[-1])
+    if not verdict["ok"]:
+        raise BundleError(
+            f"entrypoint {entrypoint!r} does not import in the sandbox, with the bundle's "
+            f"dependencies installed: {verdict['error']}"
+        )
+
+
+def _bundle_binds(bundle: Bundle, stage: Path, target: Path, *, read_only: bool) -> list[Bind]:
+    """The bundle (read-only) and the environment's stage at its final path."""
+    return [
+        {"source": str(bundle.path), "target": str(bundle.path), "read_only": True},
+        {"source": str(stage), "target": str(target), "read_only": read_only},
+    ]
+
+
+async def _run_in_sandbox(
+    environment_dir: Path,
+    docker_image: str | None,
+    binds: list[Bind],
+    script: str,
+    *,
+    name: str,
+    what: str,
+) -> str:
+    """Run ``script`` as root in a no-network sandbox of the image; its stdout, or BundleError.
+
+    The host's Python is bound read-only, and ``binds``.
+    """
     from harbor.models.task.config import EnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
 
     from backends.sandbox.local import LocalSandbox
 
-    with tempfile.TemporaryDirectory(prefix="bundle-install-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="bundle-") as scratch:
         trial_paths = TrialPaths(trial_dir=Path(scratch))
         trial_paths.mkdir()
         sandbox = LocalSandbox(
             environment_dir=environment_dir,
-            environment_name="bundle-install",
-            session_id=f"bundle-install-{bundle.key[:12]}",
+            environment_name="bundle",
+            session_id=name,
             trial_paths=trial_paths,
             task_env_config=EnvironmentConfig(docker_image=docker_image),
             network="none",
             host_python=True,
-            extra_binds=[
-                {"source": uv_binary(), "target": UV_IN_SANDBOX, "read_only": True},
-                {"source": str(bundle.path), "target": str(bundle.path), "read_only": True},
-                {"source": str(stage), "target": str(target), "read_only": False},
-            ],
+            extra_binds=binds,
         )
         await sandbox.start(force_build=False)
         try:
-            script = install_script(
-                bundle, target, Path(sys.base_prefix) / "bin" / "python3", entrypoint
-            )
             result = await sandbox.exec(script, user="root", timeout_sec=INSTALL_TIMEOUT_SEC)
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled install still stops its sandbox
                 await sandbox.stop(delete=True)
     if result.return_code != 0:
         raise BundleError(
-            f"installing bundle {bundle.key} offline in the sandbox failed (exit "
-            f"{result.return_code}): {(result.stderr or '').strip()[-4000:]}"
+            f"{what} failed (exit {result.return_code}): "
+            f"{(result.stderr or result.stdout or '').strip()[-4000:]}"
         )
-    if entrypoint:
-        verdict = json.loads((result.stdout or "").strip().splitlines()[-1])
-        if not verdict["ok"]:
-            raise BundleError(
-                f"entrypoint {entrypoint!r} does not import in the sandbox, with the bundle's "
-                f"dependencies installed: {verdict['error']}"
-            )
-
-
-class _file_lock:
-    """An exclusive lock on ``path`` across processes, waited for off the event loop."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
-
-    async def __aenter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                await anyio.sleep(0.1)
-
-    async def __aexit__(self, *exc: object) -> None:
-        os.close(self.fd)  # releases the lock
+    return result.stdout or ""

@@ -20,6 +20,7 @@ from backends.rollout.sample import MessageDict, RolloutSample
 
 # What the host reads back from a sandbox is bounded: the sandbox could write any size.
 MAX_OUTPUT_BYTES = 64 * 1024 * 1024
+MAX_PREVIEW_BYTES = 1024 * 1024  # a preview is polled every few seconds: keep it small
 
 
 class RunnerInput(BaseModel):
@@ -36,6 +37,9 @@ class RunnerInput(BaseModel):
     base_url: str | None = None  # the rollout's relay route as the sandbox reaches it
     api_key: str | None = Field(default=None, repr=False)  # the rollout's relay token
     artifacts_dir: str | None = None
+    preview_file: str | None = None  # where the runner keeps the live preview, if anywhere
+    preview_interval_sec: float = Field(default=2.0, gt=0)
+    preview_messages: int = Field(default=100, gt=0)  # the most recent ones
 
 
 class RunnerError(BaseModel):
@@ -57,6 +61,14 @@ class RunnerOutput(BaseModel):
     sample: RolloutSample | None = None
     info: dict[str, Any] = Field(default_factory=dict)
     error: RunnerError | None = None
+
+
+class PreviewSnapshot(BaseModel):
+    """The latest steps of a running workflow, as its sample source previews them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[MessageDict]
 
 
 class BundleManifest(BaseModel):

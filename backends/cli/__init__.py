@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from backends.bundle.cli import bundle_app
+from backends.cli.report import report_command
 from backends.cli.run import run_command
 from backends.cli.tasks_check import tasks_app
 from backends.relay.cli import relay_command, scripted_policy_command
@@ -26,6 +27,7 @@ def _group() -> None:
 
 
 app.command("run")(run_command)
+app.command("report")(report_command)
 app.command("serve")(serve_command)
 app.command("relay")(relay_command)
 app.command("scripted-policy")(scripted_policy_command)

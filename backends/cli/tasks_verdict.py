@@ -10,7 +10,9 @@ network and this machine has none. Everything else fails, with a reason to act o
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,17 +163,25 @@ def network_fetch(task_dir: Path, config: TaskConfig) -> str | None:
     scripts = [task_dir / "tests" / "test.sh"]
     scripts += sorted(task_dir.glob("steps/*/tests/test.sh"))
     for script in scripts:
-        try:
-            lines = script.read_text(errors="replace").splitlines()
-        except OSError:
-            continue
-        for number, line in enumerate(lines, 1):
+        for number, line in enumerate(_head(script).splitlines(), 1):
             if line.lstrip().startswith("#"):
                 continue
             if _NETWORK_COMMAND.search(line):
                 where = script.relative_to(task_dir)
                 return f"{where}:{number}: {line.strip()[:60]}"
     return None
+
+
+def _head(path: Path, limit: int = 1024 * 1024) -> str:
+    """The start of a regular file as text ("" for a link, a device, a missing file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            return ""
+        return handle.read(limit).decode("utf-8", errors="replace")
 
 
 def _unsupported(result: RolloutResult) -> bool:

@@ -265,6 +265,11 @@ class HarborBackend:
     ) -> dict[str, CancelDisposition]:
         return self._in_flight.cancel(ids=ids, prefix=prefix, all=all)
 
+    def rollout_context(self, rollout_id: str) -> Any:
+        """A running in-sandbox workflow's live preview source, for the server's previews."""
+        workflow = self.settings.workflow
+        return workflow.live_context(rollout_id) if workflow is not None else None
+
     def health(self) -> dict[str, Any]:
         return {
             "backend": "harbor",
@@ -281,6 +286,8 @@ class HarborBackend:
         if self._in_flight.counts()["in_flight"]:
             self._drained = anyio.Event()
             await self._drained.wait()
+        if self.settings.workflow is not None:  # its bundle may be pruned from now on
+            self.settings.workflow.close()
 
     async def execute(self, request: RolloutRequest) -> RolloutResult:
         await self.start()

@@ -201,13 +201,15 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         raise AssertionError("unreachable")
 
     async def _release(self, name: str) -> None:
-        """Terminate ``name`` if the server has it; forget it once it is surely gone."""
+        """Terminate ``name`` if the server has it. A name not listed yet stays in
+        ``run.live``: a create still in flight on the server may make it later, and the
+        exit hook looks again."""
         try:
-            gone = await anyio.to_thread.run_sync(skyruns.release, self.sdk, [name])
+            done = await anyio.to_thread.run_sync(skyruns.terminate, self.sdk, [name])
         except Exception as exc:  # kept in run.live: the exit hook or the reaper tries again
             log.warning("%s: could not terminate after a failed create: %s", name, exc)
             return
-        self.run.live -= gone
+        self.run.live -= set(done)
 
     async def start(self, force_build: bool) -> None:
         try:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 from typing import Any
 
+import anyio
 from openai import AsyncOpenAI
 
 from backends import (
@@ -62,6 +63,24 @@ class RegistersSource(AgentWorkflow):
         rollout = get_rollout_context()
         assert rollout is not None
         rollout.set_sample_source(source)
+        source.messages = [*ctx.prompt, await ask(ctx)]
+
+
+class LiveConversation(Conversation):
+    async def get_preview(self, max_messages: int) -> RolloutSample:
+        return RolloutSample(messages=self.messages[-max_messages:])
+
+
+class Previewed(AgentWorkflow):
+    """Shows its progress in a preview for a while before it answers."""
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> None:
+        source = LiveConversation()
+        source.messages = [*ctx.prompt, {"role": "assistant", "content": "thinking it over"}]
+        rollout = get_rollout_context()
+        assert rollout is not None
+        rollout.set_sample_source(source)
+        await anyio.sleep(3)
         source.messages = [*ctx.prompt, await ask(ctx)]
 
 
