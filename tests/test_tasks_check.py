@@ -143,3 +143,29 @@ def test_the_network_hint_reads_only_the_start_of_regular_test_scripts(tmp_path:
     (task / "tests" / "test.sh").unlink()
     (task / "tests" / "test.sh").symlink_to("/dev/zero")  # would never end if read whole
     assert network_fetch(task, config) is None
+
+
+def test_a_network_word_that_runs_nothing_excuses_no_failure(tmp_path: Path) -> None:
+    """A wrong solution was skipped (exit 0) as "needs the network" because a test line only
+    mentioned curl in a trailing comment: only commands the tests run may excuse a failure."""
+    from harbor.models.task.config import TaskConfig
+
+    from backends.cli.tasks_verdict import network_fetch
+
+    lines = [
+        "#!/bin/bash",
+        "ans=$(cat /app/answer.txt)  # compare, no curl or wget needed",
+        "echo 'install with: pip install foo'",
+        "command -v curl >/dev/null || true",
+        '[ "$ans" = 42 ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt',
+    ]
+    task = make_task(
+        tmp_path / "tasks",
+        "broken",
+        test="\n".join(lines) + "\n",
+        solve="echo 41 > /app/answer.txt\n",
+    )
+    assert network_fetch(task, TaskConfig()) is None
+    done = check(tmp_path / "tasks", home=tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert "oracle scored 0" in done.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import stat
 import tomllib
 from dataclasses import dataclass
@@ -164,12 +165,26 @@ def network_fetch(task_dir: Path, config: TaskConfig) -> str | None:
     scripts += sorted(task_dir.glob("steps/*/tests/test.sh"))
     for script in scripts:
         for number, line in enumerate(_head(script).splitlines(), 1):
-            if line.lstrip().startswith("#"):
-                continue
-            if _NETWORK_COMMAND.search(line):
+            if _NETWORK_COMMAND.search(_command_text(line)):
                 where = script.relative_to(task_dir)
                 return f"{where}:{number}: {line.strip()[:60]}"
     return None
+
+
+# Words that only mention a command (print it, look it up) rather than run it.
+_MENTIONS = {"echo", "printf", "command", "which", "type", "hash", ":"}
+
+
+def _command_text(line: str) -> str:
+    """What a shell line runs, roughly: its words without comments, and nothing of a line
+    that only prints or looks up a command (a network word there proves nothing)."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote: keep the line, minus a trailing comment
+        words = re.sub(r"(^|\s)#.*", "", line).split()
+    if not words or words[0] in _MENTIONS:
+        return ""
+    return " ".join(words)
 
 
 def _head(path: Path, limit: int = 1024 * 1024) -> str:
