@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import re
-import socket
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import anyio
 from harbor.environments.skypilot import _sanitize_dns_name
 
 from backends.rollout.artifacts import ENV_HOME
+from backends.sandbox import owners
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +39,6 @@ MAX_NAME = 53  # Harbor 0.25.0's limit for sandbox names (not documented by SkyP
 def runs_dir() -> Path:
     home = os.environ.get(ENV_HOME)
     return (Path(home) if home else Path.home() / ".backends") / "skypilot-runs"
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _host() -> str:
-    """Where a pid means this process: the host's name, its boot and its pid namespace."""
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return f"{socket.gethostname()} {boot} {os.readlink('/proc/self/ns/pid')}"
 
 
 @dataclass
@@ -69,7 +56,9 @@ class Run:
         if self.registered:
             return
         self.record.parent.mkdir(parents=True, exist_ok=True)
-        self.record.write_text(f"{os.getpid()} {_start_time(os.getpid())} {_host()}\n")
+        self.record.write_text(
+            f"{os.getpid()} {owners.start_time(os.getpid())} {owners.host_identity()}\n"
+        )
         self.registered = True
         atexit.register(self.close)
 
@@ -134,9 +123,9 @@ def owner_state(run_id: str) -> str:
         pid, start, host = (runs_dir() / run_id).read_text().split(maxsplit=2)
     except (FileNotFoundError, ValueError):
         return "unknown"
-    if host.strip() != _host():
+    if host.strip() != owners.host_identity():
         return "unknown"
-    return "alive" if _start_time(int(pid)) == start else "dead"
+    return "alive" if owners.start_time(int(pid)) == start else "dead"
 
 
 _admission: dict[tuple[int, int], anyio.Semaphore] = {}
