@@ -12,6 +12,7 @@ runner with the bundle's Python, and brings the output out.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import tempfile
 import uuid
@@ -20,7 +21,7 @@ from typing import Any
 
 import anyio
 from harbor.agents.base import BaseAgent
-from harbor.environments.base import BaseEnvironment
+from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.models.agent.context import AgentContext
 from harbor.models.task.config import TaskConfig as HarborTaskConfig
 
@@ -33,14 +34,18 @@ from backends.bundle.models import (
     RunnerOutput,
     read_bounded,
 )
+from backends.bundle.warm import WarmRunner
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
 from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest
 from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.workflow import AgentWorkflow
-from backends.sandbox.local import DEFAULT_RELAY_PORT
+from backends.sandbox.forkserver import ForkServerUnavailable
+from backends.sandbox.local import DEFAULT_RELAY_PORT, LocalSandbox
 from backends.trajectory.preview import MAX_PREVIEW_STEPS
+
+log = logging.getLogger(__name__)
 
 BUNDLE_AGENT = "backends.bundle.agent:BundleAgent"
 OUTPUT_FILE = "runner_output.json"
@@ -63,6 +68,9 @@ class WorkflowPlan:
         self.workflow_config = workflow_config
         self.environment: Environment | None = None
         self.preview_interval_sec = PREVIEW_INTERVAL_SEC
+        # Rollouts fork from a warm runner (the entrypoint imported once) when it can serve.
+        self.fork_server = True
+        self.warm: WarmRunner | None = None
         self._lock = anyio.Lock()
         self._key = uuid.uuid4().hex  # this plan's rollouts in the live-preview registry
 
@@ -126,7 +134,24 @@ class WorkflowPlan:
                 except BaseException:
                     bundle.release()
                     raise
+                if self.fork_server:
+                    self.warm = _WARM[self._key] = WarmRunner(
+                        self.environment,
+                        entrypoint=self.entrypoint,
+                        workflow_config=self.workflow_config,
+                        image_dir=image_dir,
+                        docker_image=image,
+                        name=f"fork-server-{self._key[:8]}",
+                    )
             return self.environment
+
+    async def aclose(self) -> None:
+        """End the warm runner, then ``close()``."""
+        warm, self.warm = self.warm, None
+        _WARM.pop(self._key, None)
+        if warm is not None:
+            await warm.aclose()
+        self.close()
 
     def close(self) -> None:
         """Let the cache prune this plan's bundle and environment again."""
@@ -164,6 +189,7 @@ class WorkflowPlan:
             "runner_input": self.runner_input(request).model_dump(mode="json"),
             "python": str(self.environment.python),
             "live_key": f"{self._key}/{request.rollout_id}",
+            "warm_key": self._key if self.warm is not None else None,
         }
 
     def live_context(self, rollout_id: str) -> LivePreview | None:
@@ -247,6 +273,8 @@ class LivePreview:
 
 # Rollouts whose runner runs now, by "<plan key>/<rollout id>".
 _LIVE: dict[str, LivePreview] = {}
+# Plans' warm runners, by plan key.
+_WARM: dict[str, WarmRunner] = {}
 
 
 def _agent_failure(message: str) -> RolloutFailure:
@@ -264,6 +292,7 @@ class BundleAgent(BaseAgent):
         runner_input: dict[str, Any] | None = None,
         python: str = "",
         live_key: str | None = None,
+        warm_key: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(logs_dir, model_name, *args, **kwargs)
@@ -272,6 +301,7 @@ class BundleAgent(BaseAgent):
         self.runner_input = RunnerInput.model_validate(runner_input)
         self.python = python
         self.live_key = live_key
+        self.warm_key = warm_key
 
     @staticmethod
     def name() -> str:
@@ -299,10 +329,10 @@ class BundleAgent(BaseAgent):
             local = Path(scratch) / INPUT_FILE
             local.write_text(spec.model_dump_json())
             await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
+        files = [f"{agent_dir}/{INPUT_FILE}", f"{agent_dir}/{OUTPUT_FILE}"]
         command = (
             f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
-            f"{agent_dir}/{INPUT_FILE} {agent_dir}/{OUTPUT_FILE}; status=$?; "
-            f"rm -f {agent_dir}/{INPUT_FILE}; exit $status"
+            f"{files[0]} {files[1]}; status=$?; rm -f {files[0]}; exit $status"
         )
         if self.live_key:  # the host may preview the rollout meanwhile
             _LIVE[self.live_key] = LivePreview(
@@ -310,9 +340,11 @@ class BundleAgent(BaseAgent):
             )
         try:
             # PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
-            result = await environment.exec(
-                command, env={"PYTHONDONTWRITEBYTECODE": "1"}, user=None
-            )
+            env = {"PYTHONDONTWRITEBYTECODE": "1"}
+            argv = [self.python, "-m", "backends.bundle.runner", "run", *files]
+            result = await self._run_forked(environment, argv, env)
+            if result is None:
+                result = await environment.exec(command, env=env, user=None)
         finally:
             if self.live_key:
                 _LIVE.pop(self.live_key, None)
@@ -325,3 +357,19 @@ class BundleAgent(BaseAgent):
         if result.return_code != 0:
             detail = (result.stderr or result.stdout or "").strip()[-4000:]
             raise BundleRunnerError(f"the runner exited {result.return_code}: {detail}")
+
+    async def _run_forked(
+        self, environment: BaseEnvironment, argv: list[str], env: dict[str, str]
+    ) -> ExecResult | None:
+        """The runner forked from the plan's warm runner; None when it cannot (run it cold)."""
+        warm = _WARM.get(self.warm_key) if self.warm_key else None
+        if warm is None or not isinstance(environment, LocalSandbox):
+            return None
+        servers = await warm.servers()
+        if servers is None:
+            return None
+        try:
+            return await environment.exec_forked(servers, argv, env=env, user=None)
+        except ForkServerUnavailable as e:
+            log.info("rollout runs cold: %s", e)
+            return None

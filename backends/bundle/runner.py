@@ -14,6 +14,7 @@ prints a JSON verdict, for the build's preflight and the install's final check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -150,6 +151,8 @@ def check(project_dir: Path, entrypoint: str) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "run":
         spec = RunnerInput.model_validate_json(Path(argv[1]).read_text())
+        with contextlib.suppress(OSError):  # read: its route and token stay nowhere else
+            Path(argv[1]).unlink()
         write_output(Path(argv[2]), anyio.run(run, spec))
         return 0
     if len(argv) == 3 and argv[0] == "check":

@@ -286,8 +286,8 @@ class HarborBackend:
         if self._in_flight.counts()["in_flight"]:
             self._drained = anyio.Event()
             await self._drained.wait()
-        if self.settings.workflow is not None:  # its bundle may be pruned from now on
-            self.settings.workflow.close()
+        if self.settings.workflow is not None:  # its warm runner ends; its bundle may go
+            await self.settings.workflow.aclose()
 
     async def execute(self, request: RolloutRequest) -> RolloutResult:
         await self.start()
