@@ -151,9 +151,12 @@ def check(project_dir: Path, entrypoint: str) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "run":
         spec = RunnerInput.model_validate_json(Path(argv[1]).read_text())
-        with contextlib.suppress(OSError):  # read: its route and token stay nowhere else
-            Path(argv[1]).unlink()
-        write_output(Path(argv[2]), anyio.run(run, spec))
+        try:
+            output = anyio.run(run, spec)
+        finally:
+            with contextlib.suppress(OSError):  # its route and token stay nowhere after
+                Path(argv[1]).unlink()
+        write_output(Path(argv[2]), output)
         return 0
     if len(argv) == 3 and argv[0] == "check":
         print(json.dumps(check(Path(argv[1]), argv[2])))

@@ -54,7 +54,7 @@ MAX_STARTS = 3  # per kind of server: past this many failed starts, commands run
 MAX_SERVERS = 16  # per host sandbox; the least recently used goes beyond
 
 
-class ForkServerUnavailable(OSError):
+class ForkServerUnavailable(Exception):
     """The fork server cannot run this command (it failed, or is gone); nothing ran."""
 
 
@@ -130,7 +130,9 @@ class ForkServer:
             with anyio.fail_after(START_TIMEOUT_SEC):
                 reply = await server._recv()
             if not reply.get("ready"):
-                raise ForkServerUnavailable(f"the fork server failed to start: {reply.get('error')}")
+                raise ForkServerUnavailable(
+                    f"the fork server failed to start: {reply.get('error')}"
+                )
         except (OSError, TimeoutError, ValueError) as e:
             server.close()
             errors.seek(0)
@@ -149,7 +151,6 @@ class ForkServer:
         self,
         argv: Sequence[str],
         *,
-        env: dict[str, str],
         fds: Sequence[int],
         cgroup: Join,
         enter: dict[str, Any],
@@ -157,7 +158,8 @@ class ForkServer:
         cwd: str,
     ) -> launcher.SandboxProcess:
         """Run `argv` (`[python, "-m", module, *args]`) in the sandbox whose pid 1 is the pidfd
-        `enter_pidfd`, as `enter`'s user, in `cwd`, with `fds` as its fds 0-2.
+        `enter_pidfd`, as `enter`'s user, in `cwd`, with `fds` as its fds 0-2, in the server's
+        environment.
 
         Raises:
             ForkServerUnavailable: the server cannot run it; nothing ran.
@@ -171,7 +173,6 @@ class ForkServer:
         request = {
             "module": argv[2],
             "args": list(argv[3:]),
-            "env": env,
             "cwd": cwd,
             "uid": enter["uid"],
             "gid": enter["gid"],
@@ -243,7 +244,7 @@ class ForkServer:
                 socket.send_fds(self.sock, [data], fds)
                 return
             except BlockingIOError:
-                await anyio.wait_socket_writable(self.sock)
+                await anyio.wait_writable(self.sock)
 
     async def _recv(self) -> dict[str, Any]:
         while True:
@@ -251,7 +252,7 @@ class ForkServer:
                 data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
                 break
             except BlockingIOError:
-                await anyio.wait_socket_readable(self.sock)
+                await anyio.wait_readable(self.sock)
         for fd in fds:  # the server has nothing to hand us
             os.close(fd)
         if not data:
@@ -400,7 +401,6 @@ class ForkServers:
         try:
             return await server.spawn(
                 argv,
-                env=env,
                 fds=fds,
                 cgroup=cgroup,
                 enter=enter,

@@ -9,7 +9,7 @@ JSON: {"seccomp": hex, "keyctl": syscall number, "preload": ["module:function", 
 It calls the preload (importing the workflow), says {"ready": true} on fd 3 (SOCK_SEQPACKET)
 and then serves one request at a time; EOF on fd 3 ends it.
 
-Per request `{"module", "args", "env", "cwd", "uid", "gid", "groups"}` with the fds stdin,
+Per request `{"module", "args", "cwd", "uid", "gid", "groups"}` with the fds stdin,
 stdout, stderr, status, go, and the sandbox's user, mnt, net, ipc, uts and pid namespaces, it
 forks a *launcher* and answers `{"pid"}` (or `{"error"}`). It holds nothing of the request
 after that: no rollout's data ever stays in this process. The launcher, once the host has moved
@@ -18,7 +18,8 @@ first: as its owner it may), forks the *command* into the sandbox's pid namespac
 on `status`, waits for it and writes its exit code there (4 bytes). A launcher that fails
 writes "E" and the reason instead. The command gets what an exec in the sandbox gets: a new
 session, its own session keyring, no_new_privs and the sandbox's seccomp filter, the user's
-ids and groups, the request's environment alone, fds 0-2 alone; then it runs like
+ids and groups, fds 0-2 alone, and this process's environment (the host starts one server per
+environment, with that environment alone); then it runs like
 `python -m module args...` in `cwd`. It dies with its launcher (parent-death signal), which
 only the host can name: neither is in the sandbox's pid namespace.
 """
@@ -157,8 +158,6 @@ class Server:
             for number, fd in enumerate(stdio):
                 os.dup2(fd, number)
             os.closerange(3, MAX_FD_NUMBER)
-            os.environ.clear()
-            os.environ.update(req["env"])
             os.chdir(req["cwd"])
         except BaseException as e:
             os.write(2, f"fork server: {type(e).__name__}: {e}\n".encode(errors="replace"))
