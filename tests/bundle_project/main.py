@@ -119,6 +119,17 @@ class Snoops(AgentWorkflow):
         return [*ctx.prompt, report]
 
 
+class ReportsParent(AgentWorkflow):
+    """The sample, and in its metrics whether the runner's parent is in its pid namespace
+    (a shell's exec: yes; forked from a warm runner: no, its launcher is outside)."""
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> AgentWorkflowOutput:
+        reply = await ask(ctx)
+        return AgentWorkflowOutput(
+            messages=[*ctx.prompt, reply], metrics={"parent_visible": float(os.getppid() != 0)}
+        )
+
+
 class NonEmptyAnswer(Grader):
     async def grade(self, ctx: GraderContext) -> None:
         assert ctx.sample is not None
