@@ -292,9 +292,10 @@ async def test_the_label_is_nowhere_in_the_sandbox_and_there_is_no_network(
 ) -> None:
     label = "CANARY-" + uuid.uuid4().hex
     planted = "CANARY-" + uuid.uuid4().hex  # in the metadata, which does enter: proves the search
-    result = await run_one(
-        relay, in_sandbox(tmp_path, "Snoops"), label=label, metadata={"note": planted}
-    )
+    backend = in_sandbox(tmp_path, "Snoops")
+    result = await run_one(relay, backend, label=label, metadata={"note": planted})
+    assert _warm_servers(backend)  # forked from a warm runner, which never saw the label
+    await backend.aclose()
     assert result.status is RolloutStatus.SUCCESS, result.failure
     assert result.sample is not None
     report = result.sample.messages[-1]["content"]
@@ -428,6 +429,8 @@ async def test_arithmetic_in_sandboxes_matches_local_backend_row_by_row(
     )
     in_process = await collect(RelayedBackend(local, relay), requests)
     inside = await collect(RelayedBackend(sandboxed, relay), requests)
+    assert _warm_servers(sandboxed)  # forked from warm runners (one per uid range)
+    await sandboxed.aclose()
     by_id = {r.rollout_id: r for r in in_process}
     assert len(inside) == len(requests) == len(by_id)
     for result in inside:

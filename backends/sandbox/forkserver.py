@@ -184,7 +184,8 @@ class ForkServer:
                 async with self._lock:
                     if self.dead:
                         raise ForkServerUnavailable("the fork server is gone")
-                    with anyio.fail_after(REPLY_TIMEOUT_SEC):
+                    # Shielded: a request left unanswered would pair the next with its reply.
+                    with anyio.CancelScope(shield=True), anyio.fail_after(REPLY_TIMEOUT_SEC):
                         await self._send(request, [*fds, status_w, go_r, *namespaces])
                         reply = await self._recv()
             except (OSError, TimeoutError, ValueError) as e:
@@ -231,7 +232,12 @@ class ForkServer:
         except (OSError, ValueError):
             fields = {}
         uids = fields.get("Uid", "").split()
-        if fields.get("PPid", "").strip() != str(self.proc.pid) or uids != [str(self.uid)] * 4:
+        gone = select.select([pidfd], [], [], 0)[0]  # then that status was another's
+        if (
+            gone
+            or fields.get("PPid", "").strip() != str(self.proc.pid)
+            or uids != [str(self.uid)] * 4
+        ):
             os.close(pidfd)
             self.close()
             raise ForkServerUnavailable(f"the fork server named {pid}, which is not its child")

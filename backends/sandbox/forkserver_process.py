@@ -154,6 +154,8 @@ class Server:
             # After the id change, which clears both: die with the launcher; and be as
             # traceable by the sandbox's own processes as any process exec'd there.
             _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+            if os.getppid() != 0:  # the launcher (outside) died already: pid 1 adopted us
+                os._exit(126)
             _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
             for number, fd in enumerate(stdio):
                 os.dup2(fd, number)
