@@ -476,6 +476,9 @@ async def test_repeat_rollouts_fork_from_the_warm_runner_and_match_a_cold_one(
     # Forked, both: the runner's parent is outside the trial's pid namespace.
     assert first.sample.metrics["parent_visible"] == repeat.sample.metrics["parent_visible"] == 0
     assert baseline.sample.metrics["parent_visible"] == 1
+    # From the server the project's warm-up ran in (a cold runner never calls it).
+    assert first.sample.metrics["warmed_up"] == repeat.sample.metrics["warmed_up"] == 1
+    assert baseline.sample.metrics["warmed_up"] == 0
     assert len(servers) == 1  # one server (one uid range) served both
     # aclose() ended it.
     assert not await anyio.Path(f"/proc/{servers[0].proc.pid}").exists()

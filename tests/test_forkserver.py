@@ -62,6 +62,11 @@ report = {
     "seccomp": status["Seccomp"].strip(),
     "no_new_privs": status["NoNewPrivs"].strip(),
     "sid_is_pid": os.getsid(0) == os.getpid(),
+    "limits": open("/proc/self/limits").read(),
+    "umask": os.umask(0o22),
+    "caps": [status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")],
+    "ids": [status["Uid"].split(), status["Gid"].split(), status["Groups"].split()],
+    "sigs": [status[k].strip() for k in ("SigBlk", "SigIgn")],
     "other_trial": os.path.exists(sys.argv[2]),
     "own_file": os.path.exists(sys.argv[3]),
     "unshare_user": attempt(lambda: os.unshare(os.CLONE_NEWUSER)),
@@ -191,6 +196,9 @@ async def test_a_forked_command_is_confined_as_an_exec_is(
     assert report["seccomp"] == baseline["seccomp"] == "2"
     assert report["no_new_privs"] == "1"
     assert report["sid_is_pid"] is True
+    # What it inherits from no shell: the same limits, umask, capabilities, ids, signals.
+    for same in ("limits", "umask", "caps", "ids", "sigs"):
+        assert report[same] == baseline[same], same
     assert report["fds"] == [0, 1, 2, 3]  # 3: the listing's own
     assert report["unshare_user"] == baseline["unshare_user"] == "EPERM"
     assert report["mount"] == baseline["mount"] == "EPERM"

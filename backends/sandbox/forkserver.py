@@ -51,7 +51,7 @@ NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "pid")  # forkserver_process.N
 START_TIMEOUT_SEC = 300.0  # imports under a loaded host take seconds; a hung one is broken
 REPLY_TIMEOUT_SEC = 30.0  # a fork and a reply
 MAX_STARTS = 3  # per kind of server: past this many failed starts, commands run cold
-MAX_SERVERS = 16  # per host sandbox; the least recently used goes beyond
+MAX_SERVERS = 32  # per host sandbox (one per concurrent trial); the least recently used goes
 
 
 class ForkServerUnavailable(Exception):

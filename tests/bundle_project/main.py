@@ -119,15 +119,24 @@ class Snoops(AgentWorkflow):
         return [*ctx.prompt, report]
 
 
+WARMED_UP = False
+
+
+def warm_up() -> None:
+    """pyproject.toml's [tool.backends] warm_up: run once in the warm runner."""
+    global WARMED_UP
+    WARMED_UP = True
+
+
 class ReportsParent(AgentWorkflow):
     """The sample, and in its metrics whether the runner's parent is in its pid namespace
-    (a shell's exec: yes; forked from a warm runner: no, its launcher is outside)."""
+    (a shell's exec: yes; forked from a warm runner: no, its launcher is outside) and whether
+    it started from the project's warm-up."""
 
     async def run(self, ctx: AgentWorkflowContext[Any]) -> AgentWorkflowOutput:
         reply = await ask(ctx)
-        return AgentWorkflowOutput(
-            messages=[*ctx.prompt, reply], metrics={"parent_visible": float(os.getppid() != 0)}
-        )
+        metrics = {"parent_visible": float(os.getppid() != 0), "warmed_up": float(WARMED_UP)}
+        return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics=metrics)
 
 
 class NonEmptyAnswer(Grader):
