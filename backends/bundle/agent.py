@@ -53,6 +53,8 @@ INPUT_FILE = "runner_input.json"
 PREVIEW_FILE = "runner_preview.json"
 PREVIEW_INTERVAL_SEC = 2.0
 ARTIFACTS_DIR = "/logs/artifacts"  # Harbor collects it like any agent's artifacts
+# PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
+RUNNER_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class BundleRunnerError(RuntimeError):
@@ -311,6 +313,8 @@ class BundleAgent(BaseAgent):
         return "1"
 
     async def setup(self, environment: BaseEnvironment) -> None:
+        if isinstance(environment, LocalSandbox):
+            return  # HarborBackend bound the environment in (WorkflowPlan.environment_kwargs)
         result = await environment.exec(f"test -x {self.python}", user="root")
         if result.return_code != 0:
             raise BundleRunnerError(
@@ -325,26 +329,14 @@ class BundleAgent(BaseAgent):
         spec = self.runner_input
         if self.live_key:
             spec = spec.model_copy(update={"preview_file": f"{agent_dir}/{PREVIEW_FILE}"})
-        with tempfile.TemporaryDirectory() as scratch:
-            local = Path(scratch) / INPUT_FILE
-            local.write_text(spec.model_dump_json())
-            await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
-        files = [f"{agent_dir}/{INPUT_FILE}", f"{agent_dir}/{OUTPUT_FILE}"]
-        command = (
-            f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
-            f"{files[0]} {files[1]}; status=$?; rm -f {files[0]}; exit $status"
-        )
-        if self.live_key:  # the host may preview the rollout meanwhile
+            # The host may preview the rollout meanwhile.
             _LIVE[self.live_key] = LivePreview(
                 environment, f"{agent_dir}/{PREVIEW_FILE}", self.runner_input.api_key
             )
         try:
-            # PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
-            env = {"PYTHONDONTWRITEBYTECODE": "1"}
-            argv = [self.python, "-m", "backends.bundle.runner", "run", *files]
-            result = await self._run_forked(environment, argv, env)
+            result = await self._run_forked(environment, spec)
             if result is None:
-                result = await environment.exec(command, env=env, user=None)
+                result = await self._run_cold(environment, spec, agent_dir)
         finally:
             if self.live_key:
                 _LIVE.pop(self.live_key, None)
@@ -358,18 +350,42 @@ class BundleAgent(BaseAgent):
             detail = (result.stderr or result.stdout or "").strip()[-4000:]
             raise BundleRunnerError(f"the runner exited {result.return_code}: {detail}")
 
+    async def _run_cold(
+        self, environment: BaseEnvironment, spec: RunnerInput, agent_dir: str
+    ) -> ExecResult:
+        """The runner in a fresh interpreter: its input and output as files in the sandbox."""
+        with tempfile.TemporaryDirectory() as scratch:
+            local = Path(scratch) / INPUT_FILE
+            local.write_text(spec.model_dump_json())
+            await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
+        files = f"{agent_dir}/{INPUT_FILE} {agent_dir}/{OUTPUT_FILE}"
+        command = (
+            f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
+            f"{files}; status=$?; rm -f {agent_dir}/{INPUT_FILE}; exit $status"
+        )
+        return await environment.exec(command, env=RUNNER_ENV, user=None)
+
     async def _run_forked(
-        self, environment: BaseEnvironment, argv: list[str], env: dict[str, str]
+        self, environment: BaseEnvironment, spec: RunnerInput
     ) -> ExecResult | None:
-        """The runner forked from the plan's warm runner; None when it cannot (run it cold)."""
+        """The runner forked from the plan's warm runner, its input on its stdin and its output
+        on its stdout (no transfer into or out of the sandbox); None when it cannot (run it
+        cold)."""
         warm = _WARM.get(self.warm_key) if self.warm_key else None
         if warm is None or not isinstance(environment, LocalSandbox):
             return None
         servers = await warm.servers()
         if servers is None:
             return None
+        argv = [self.python, "-m", "backends.bundle.runner", "run", "-", "-"]
         try:
-            return await environment.exec_forked(servers, argv, env=env, user=None)
+            result = await environment.exec_forked(
+                servers, argv, env=RUNNER_ENV, user=None, stdin=spec.model_dump_json().encode()
+            )
         except ForkServerUnavailable as e:
             log.info("rollout runs cold: %s", e)
             return None
+        if result.return_code == 0 and result.stdout:
+            (self.logs_dir / OUTPUT_FILE).write_text(result.stdout)  # collect() checks it
+            result.stdout = ""
+        return result

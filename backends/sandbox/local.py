@@ -455,10 +455,12 @@ class LocalSandbox(CheckedDownloads):
         env: dict[str, str] | None = None,
         timeout_sec: int | None = None,
         user: str | int | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         """Run `argv` (not a shell command) started by `spawner`, a fork server
-        (`backends.sandbox.forkserver`), in the directory it runs commands in; otherwise as
-        `exec` runs a command: the same user, environment, limits, kill and result.
+        (`backends.sandbox.forkserver`), in the directory it runs commands in, with `stdin`
+        on its stdin; otherwise as `exec` runs a command: the same user, environment,
+        limits, kill and result.
 
         Raises:
             ForkServerUnavailable: the fork server cannot run it; nothing ran (use `exec`).
@@ -474,6 +476,7 @@ class LocalSandbox(CheckedDownloads):
             timeout=timeout_sec or None,
             output_limit=self._max_output,
             spawner=spawner,
+            stdin=stdin,
         )
         return self._exec_result(res)
 
