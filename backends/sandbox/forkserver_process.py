@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -221,6 +222,10 @@ def main() -> None:
             _preload(config["preload"])
         if threading.active_count() != 1:
             raise RuntimeError("the preload started threads: forking this process is unsafe")
+        # What the preload built stays out of every collection in the forks: a collection
+        # there would write to (and so copy) every page of it.
+        gc.collect()
+        gc.freeze()
         server = Server(sock, config)
     except BaseException:
         sock.send(json.dumps({"error": traceback.format_exc()[-4000:]}).encode())
