@@ -392,6 +392,12 @@ async def test_tokens_are_scoped_per_rollout_in_each_format(
         "code": "missing_token",
     }
 
+    # Routes the relay does not serve (count_tokens) are refused in the client's shape too.
+    with pytest.raises(anthropic.NotFoundError, match="is not relayed"):
+        await _anthropic(relay, "mine", mine.token).messages.count_tokens(
+            model="p", messages=[{"role": "user", "content": "hi"}]
+        )
+
     # An ended rollout's token is refused in its format too.
     relay.end("other")
     with pytest.raises(anthropic.PermissionDeniedError, match="has ended"):
@@ -402,8 +408,11 @@ async def test_tokens_are_scoped_per_rollout_in_each_format(
     assert relay.end("mine").calls == []
 
 
+# A parser's recursion limit is no excuse for a 500 (the chat route gave one before).
+NESTED = b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 BAD_RESPONSES = [
     (b"{not json", "request body is not valid JSON"),
+    (NESTED, "nested too deeply"),
     (b"[1, 2]", "request body must be a JSON object"),
     ({"model": "p"}, "input must be a list"),
     ({"model": "p", "input": [{"role": "robot", "content": "x"}]}, "input[0].role is 'robot'"),
@@ -417,11 +426,12 @@ BAD_RESPONSES = [
 ]
 BAD_MESSAGES = [
     (b"{not json", "request body is not valid JSON"),
+    (NESTED, "nested too deeply"),
     ({"model": "p", "messages": [{"role": "user", "content": "x"}]}, "max_tokens is required"),
     ({"model": "p", "max_tokens": 5, "messages": []}, "at least one message"),
     (
-        {"model": "p", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
-        "messages[0].role is 'system'",
+        {"model": "p", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
+        "messages[0].role is 'robot'",
     ),
     (
         {
@@ -464,6 +474,10 @@ async def test_malformed_bodies_get_a_4xx_naming_the_problem_and_never_reach_ups
         assert status == 400 and parsed["type"] == "error", (body, parsed)
         assert parsed["error"]["type"] == "invalid_request_error"
         assert problem in parsed["error"]["message"], (body, parsed)
+    status, answer, _ = await _raw(
+        grant.base_url + "/chat/completions", NESTED, {"authorization": f"Bearer {grant.token}"}
+    )
+    assert status == 400 and "nested too deeply" in json.loads(answer)["error"]["message"]
     assert len(scripted.calls) == before
     # The rollout is unharmed: a good call still works, and only it is in the trace.
     answer = await _openai(relay, "bad", grant.token).responses.create(model="p", input="2 + 2")
@@ -526,6 +540,9 @@ async def odd_upstream() -> AsyncIterator[str]:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if body.get("model") == "echo":  # an error that quotes the request's credentials
+            seen = request.headers.get("authorization", "")
+            return web.json_response({"error": {"message": f"bad key {seen}"}}, status=400)
         if not body.get("stream"):
             return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -547,6 +564,29 @@ async def odd_upstream() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         await runner.cleanup()
+
+
+async def test_the_upstream_key_never_reaches_the_agent_in_a_translated_error(
+    odd_upstream: str,
+) -> None:
+    async with Relay(upstream_url=odd_upstream, upstream_api_key=KEY) as relay:
+        grant = relay.register("echo")
+        for stream in (False, True):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await _anthropic(relay, "echo", grant.token).messages.create(
+                    model="echo",
+                    max_tokens=8,
+                    messages=[{"role": "user", "content": "x"}],
+                    stream=stream,
+                )
+            body: Any = refused.value.body
+            assert body["error"]["message"] == "bad key Bearer ***"
+            with pytest.raises(openai.BadRequestError) as told:
+                await _openai(relay, "echo", grant.token).responses.create(
+                    model="echo", input="x", stream=stream
+                )
+            assert KEY not in str(told.value.body) and "***" in str(told.value.body)
+        relay.end("echo")
 
 
 async def test_broken_upstreams_end_each_stream_in_its_own_grammar(odd_upstream: str) -> None:

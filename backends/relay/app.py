@@ -114,6 +114,8 @@ class RelayApp:
                 f"/{route} is not relayed: use /v1/chat/completions, /v1/responses, "
                 "/v1/messages or /v1/models",
                 "not_found",
+                # e.g. an Anthropic client's /v1/messages/count_tokens: told in its own shape
+                wire=MESSAGES_WIRE if route.startswith("v1/messages/") else CHAT_WIRE,
             )
 
         token = b""
@@ -196,6 +198,10 @@ class RelayApp:
             return await _reply_error(
                 send, 400, f"request body is not valid JSON: {exc}", "invalid_json", wire=shape
             )
+        except RecursionError:
+            return await _reply_error(
+                send, 400, "request body is nested too deeply", "invalid_json", wire=shape
+            )
         if not isinstance(request, dict):
             return await _reply_error(
                 send, 400, "request body must be a JSON object", "invalid_json", wire=shape
@@ -243,12 +249,13 @@ class RelayApp:
         assert wire.translate is not None
         try:
             translation = wire.translate(request)
-        except WireError as exc:
+            chat = translation.chat_request
+            recorded = json.dumps(chat, separators=(",", ":")).encode()
+        except (WireError, RecursionError) as exc:
+            problem = exc if isinstance(exc, WireError) else "it is nested too deeply"
             return await _reply_error(
-                send, 400, f"invalid {wire.name} request: {exc}", "invalid_request", wire=wire
+                send, 400, f"invalid {wire.name} request: {problem}", "invalid_request", wire=wire
             )
-        chat = translation.chat_request
-        recorded = json.dumps(chat, separators=(",", ":")).encode()
         upstream_body = recorded
         if self.settings.request_token_ids:
             chat.update(self.settings.token_request_fields)

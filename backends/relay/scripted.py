@@ -330,7 +330,7 @@ class ScriptedPolicyApp:
                 request = translation.chat_request
             if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
                 raise ValueError("expected an object with a 'messages' list")
-        except ValueError as exc:  # WireError included
+        except (ValueError, RecursionError) as exc:  # WireError included
             refusal = wire.error_body(
                 400, f"invalid request: {exc}", "invalid_request", "invalid_request_error"
             )

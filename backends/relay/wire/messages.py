@@ -275,20 +275,24 @@ def _messages(request: dict[str, Any]) -> list[dict[str, Any]]:
             messages.extend(_user(content, f"{where}.content"))
         elif role == "assistant":
             messages.append(_assistant(content, f"{where}.content"))
+        elif role == "system":  # Claude Code's mid-conversation system turns (a beta)
+            messages.append(
+                {"role": "system", "content": _system_text(content, f"{where}.content")}
+            )
         else:
-            raise WireError(f"{where}.role is {role!r}: use user or assistant")
+            raise WireError(f"{where}.role is {role!r}: use user, assistant or system")
     return messages
 
 
-def _system_text(system: Any) -> str:
+def _system_text(system: Any, where: str = "system") -> str:
     if isinstance(system, str):
         return system
     texts = []
-    for i, block in enumerate(need_list(system, "system")):
-        block = need_dict(block, f"system[{i}]")
+    for i, block in enumerate(need_list(system, where)):
+        block = need_dict(block, f"{where}[{i}]")
         if block.get("type") != "text":
-            raise WireError(f"system[{i}] has type {block.get('type')!r}; use text blocks")
-        texts.append(need_str(block.get("text"), f"system[{i}].text"))
+            raise WireError(f"{where}[{i}] has type {block.get('type')!r}; use text blocks")
+        texts.append(need_str(block.get("text"), f"{where}[{i}].text"))
     return "\n".join(texts)
 
 
