@@ -706,3 +706,202 @@ async def test_a_native_upstream_gets_the_agents_bytes_and_the_trace_reads_them(
         assert messages_call.choices[0].message == {"role": "assistant", "content": "42"}
         assert messages_call.usage and messages_call.usage["completion_tokens"] == 2
         assert messages_call.model == "scripted:default"
+
+
+def _vllm_like(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chunks as vLLM streams them: reasoning, then text, and a finish by model name:
+    ``thinker`` stops normally, ``long`` runs out of tokens, ``stopper`` hits a stop string."""
+    model = request["model"]
+    finish = {"long": "length"}.get(model, "stop")
+    chunks: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Six "}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "sevens."}}]},
+        {"choices": [{"index": 0, "delta": {"content": "4"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "2"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": finish,
+                      "stop_reason": "END" if model == "stopper" else None}]},
+        {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
+                                  "prompt_tokens_details": {"cached_tokens": 3}}},
+    ]  # fmt: skip
+    for chunk in chunks:
+        chunk.update({"id": "c", "object": "chat.completion.chunk", "model": model})
+    return chunks
+
+
+@pytest.fixture
+async def vllm_like() -> AsyncIterator[str]:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chunks = _vllm_like(body)
+        if not body.get("stream"):
+            message = {
+                "role": "assistant",
+                "reasoning_content": "Six sevens.",
+                "content": "42",
+            }
+            last = chunks[-2]["choices"][0]
+            choice = {"index": 0, "message": message, "finish_reason": last["finish_reason"],
+                      "stop_reason": last["stop_reason"]}  # fmt: skip
+            return web.json_response(
+                {"model": body["model"], "choices": [choice], "usage": chunks[-1]["usage"]}
+            )
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_reasoning_stops_and_usage_translate_both_ways(vllm_like: str, stream: bool) -> None:
+    async with Relay(upstream_url=vllm_like) as relay:
+        grant = relay.register("think")
+        client = _openai(relay, "think", grant.token)
+        claude = _anthropic(relay, "think", grant.token)
+        for model in ("thinker", "long", "stopper"):
+            if stream:
+                # The SDK's typed events; the last one holds the response (the stream helper
+                # only finishes on response.completed, not on an incomplete answer's event).
+                events = [e async for e in await client.responses.create(
+                    model=model, input="6*7?", stream=True)]  # fmt: skip
+                assert events[-1].type == (
+                    "response.incomplete" if model == "long" else "response.completed"
+                )
+                answer = events[-1].response  # type: ignore[union-attr]
+            else:
+                answer = await client.responses.create(model=model, input="6*7?")
+            assert [o.type for o in answer.output] == ["reasoning", "message"]
+            reasoning = answer.output[0]
+            assert reasoning.type == "reasoning" and reasoning.content is not None
+            assert reasoning.content[0].text == "Six sevens."
+            assert answer.output_text == "42" and answer.model == model
+            assert answer.status == ("incomplete" if model == "long" else "completed")
+            assert answer.usage is not None
+            assert (answer.usage.input_tokens, answer.usage.output_tokens) == (9, 4)
+            assert answer.usage.input_tokens_details.cached_tokens == 3
+
+            ask: Any = {
+                "model": model,
+                "max_tokens": 64,
+                "messages": [{"role": "user", "content": "6*7?"}],
+                "stop_sequences": ["END"],
+            }
+            if stream:
+                async with claude.messages.stream(**ask) as message_events:
+                    message = await message_events.get_final_message()
+            else:
+                message = await claude.messages.create(**ask)
+            assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                    for b in message.content] == [("thinking", "Six sevens."), ("text", "42")]  # fmt: skip
+            stop = {"thinker": "end_turn", "long": "max_tokens", "stopper": "stop_sequence"}
+            assert message.stop_reason == stop[model]
+            assert message.stop_sequence == ("END" if model == "stopper" else None)
+            # Anthropic counts cache reads apart from the other input tokens.
+            assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (6, 3)
+            assert message.usage.output_tokens == 4
+        trace = relay.end("think")
+        assert {c.choices[0].message["reasoning_content"] for c in trace.calls} == {"Six sevens."}  # type: ignore[index]
+        assert trace.calls[-1].request and trace.calls[-1].request["stop"] == ["END"]
+
+
+async def test_request_translation_keeps_images_turns_and_tool_history() -> None:
+    """What the policy sees of multimodal and multi-turn requests in each format."""
+    from backends.relay.wire.messages import Translation as MessagesTranslation
+    from backends.relay.wire.responses import Translation as ResponsesTranslation
+
+    image = "data:image/png;base64,iVBORw0KGgo="
+    responses = ResponsesTranslation(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "developer", "content": "Use tools."},
+                {"role": "user", "content": [
+                    {"type": "input_text", "text": "What is this?"},
+                    {"type": "input_image", "image_url": image, "detail": "low"}]},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Look."}]},
+                {"type": "message", "role": "assistant",
+                 "content": [{"type": "output_text", "text": "Let me check."}]},
+                {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "zoom", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "a cat"},
+                {"type": "function_call_output", "call_id": "c2",
+                 "output": [{"type": "input_text", "text": "a big cat"}]},
+            ],
+            "tools": [{"type": "function", "name": "look", "parameters": {}},
+                      {"type": "function", "name": "zoom", "parameters": {}}],
+            "tool_choice": {"type": "function", "name": "look"},
+            "max_output_tokens": 50,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+        }
+    ).chat_request  # fmt: skip
+    assert responses["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": image, "detail": "low"}}]},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "Look.",
+         "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}},
+             {"id": "c2", "type": "function", "function": {"name": "zoom", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
+        {"role": "tool", "tool_call_id": "c2", "content": "a big cat"},
+    ]  # fmt: skip
+    assert responses["tool_choice"] == {"type": "function", "function": {"name": "look"}}
+    assert responses["max_tokens"] == 50
+    assert responses["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {}},
+    }
+
+    messages = MessagesTranslation(
+        {
+            "model": "m",
+            "max_tokens": 10,
+            "system": [{"type": "text", "text": "Be brief."}],
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": "iVBORw0KGgo="}}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "Look.", "signature": "s"},
+                    {"type": "text", "text": "Let me check."},
+                    {"type": "tool_use", "id": "t1", "name": "look", "input": {"q": 1}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                     "content": [{"type": "text", "text": "blurry"}]},
+                    {"type": "text", "text": "Try again."}]},
+            ],
+            "tools": [{"name": "look", "input_schema": {"type": "object"}},
+                      {"type": "web_search_20250305", "name": "web_search"}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        }
+    ).chat_request  # fmt: skip
+    assert messages["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": image}}]},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "Look.",
+         "tool_calls": [{"id": "t1", "type": "function",
+                         "function": {"name": "look", "arguments": '{"q": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: blurry"},
+        {"role": "user", "content": "Try again."},
+    ]  # fmt: skip
+    assert [t["function"]["name"] for t in messages["tools"]] == ["look"]  # server tool left out
+    assert (messages["tool_choice"], messages["parallel_tool_calls"]) == ("required", False)
