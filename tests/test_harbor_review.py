@@ -7,6 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from harbor.models.trial.config import EnvironmentConfig
 from harbor_support import write_task
 
 from backends import (
@@ -62,10 +63,12 @@ async def test_harbors_scrub_never_reads_a_huge_file_the_sandbox_left(tmp_path: 
 async def test_a_stalled_transfer_costs_no_more_than_its_phases_timeout(tmp_path: Path) -> None:
     """The agent makes `tar` hang: the agent-log download and the tests' upload each stall.
     Each gives up after its phase's timeout (3 s here), not the transfers' own half hour,
-    and the rollout is a timeout, not a reward and not a retried infrastructure failure."""
+    and the rollout is a timeout, not a reward and not a retried infrastructure failure.
+    (Files cross by `tar` inside here: the host's own path runs nothing an agent replaces.)"""
     write_task(tmp_path / "tasks", "stall", test="echo 1 > /logs/verifier/reward.txt")
     b = HarborBackend(
         agent="harbor_support:StallsTransfers",
+        environment_config=EnvironmentConfig(kwargs={"host_transfers": False}),
         tasks_dir=tmp_path / "tasks",
         task_mode="dataset",
         trials_dir=tmp_path / "trials",

@@ -15,6 +15,7 @@ import pytest
 from harbor.environments.base import BaseEnvironment
 
 from backends.sandbox.contract import PROVIDERS
+from backends.sandbox.errors import ExecTimeoutError
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -204,3 +205,15 @@ async def test_the_host_path_runs_nothing_inside(env: BaseEnvironment, tmp_path:
         for move in moves:
             with pytest.raises(OSError):
                 await move
+
+
+async def test_a_slow_host_transfer_gives_up_at_its_timeout(tmp_path: Path) -> None:
+    env = LOCAL.make(tmp_path, kwargs={"transfer_timeout_sec": 0.001})
+    await env.start(force_build=False)
+    try:
+        await sh(env, "head -c 64M /dev/urandom > /logs/agent/big")
+        with pytest.raises(ExecTimeoutError, match="transfer_timeout_sec"):
+            await env.download_dir("/logs/agent", tmp_path / "agent")
+        assert os.listdir(tmp_path / "agent") == []  # what it had made is gone again
+    finally:
+        await env.stop(delete=True)

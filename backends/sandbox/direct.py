@@ -49,14 +49,44 @@ _SETFS = {"x86_64": (122, 123), "aarch64": (151, 152)}
 # What a sandbox makes for itself; procfs, sysfs, devpts, mqueue... are never read or written.
 OWN_FILESYSTEMS = ("overlay", "tmpfs")
 CHUNK = 1024 * 1024
-# Entries one download walks before leaving the rest to tar (whose archive the download
-# limit bounds): a listing is streamed, but a tree of millions is not worth a thread.
+# Entries one transfer walks before leaving it to tar (whose archive the download limit
+# bounds): a listing is streamed, but a tree of millions is not worth a thread.
 MAX_ENTRIES = 100_000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Unsupported(Exception):
     """This transfer needs the in-sandbox path (the reason says why)."""
+
+
+class Watch:
+    """Ends a transfer running in a worker thread from outside: past its deadline, once the
+    caller gave up (`stop`), or past `MAX_ENTRIES` entries. Checked per entry and per chunk."""
+
+    def __init__(self, timeout_sec: float, what: str) -> None:
+        self.deadline = time.monotonic() + timeout_sec
+        self.what = what
+        self.stopped = threading.Event()
+        self.entries = MAX_ENTRIES
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def check(self) -> None:
+        if self.stopped.is_set():
+            raise TransferAbandonedError(f"{self.what} was given up by its caller")
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(f"{self.what} took too long")
+
+    def entry(self) -> None:
+        self.check()
+        self.entries -= 1
+        if self.entries < 0:
+            raise Unsupported(f"more than {MAX_ENTRIES} entries")
+
+
+class TransferAbandonedError(Exception):
+    """The caller stopped waiting (cancelled); the worker thread ends here."""
 
 
 def _openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
@@ -155,7 +185,7 @@ class SandboxRoot:
 
     # -- downloads ----------------------------------------------------------------------
 
-    def file_member(self, path: str) -> Iterator[Member]:
+    def file_member(self, path: str, watch: Watch) -> Iterator[Member]:
         """The one regular file at sandbox path `path` (symlinks followed inside)."""
         with self._root() as root:
             fd = self._resolve(root, path, os.O_PATH)
@@ -163,13 +193,13 @@ class SandboxRoot:
             st = os.fstat(fd)
             info = _info(os.path.basename(path.rstrip("/")) or "file", st)
             if stat.S_ISREG(st.st_mode):
-                yield info, _copier(fd, st.st_size)
+                yield info, _copier(fd, st.st_size, watch)
             else:
                 yield info, None  # unpack names the problem (a directory, not a file)
         finally:
             os.close(fd)
 
-    def tree_members(self, path: str, deadline: float) -> Iterator[Member]:
+    def tree_members(self, path: str, watch: Watch) -> Iterator[Member]:
         """The tree at sandbox path `path`: itself as ".", then everything under it (symlinks
         as links, devices and FIFOs as such), each entry opened by its parent's fd."""
         with self._root() as root:
@@ -177,26 +207,20 @@ class SandboxRoot:
         try:
             st = os.fstat(fd)
             yield _info(".", st), None
-            yield from self._walk(fd, "", 1, deadline, [MAX_ENTRIES])
+            yield from self._walk(fd, "", 1, watch)
         finally:
             os.close(fd)
 
-    def _walk(
-        self, dir_fd: int, prefix: str, depth: int, deadline: float, budget: list[int]
-    ) -> Iterator[Member]:
+    def _walk(self, dir_fd: int, prefix: str, depth: int, watch: Watch) -> Iterator[Member]:
         if depth > MAX_DEPTH:
             raise Unsupported(f"tree deeper than {MAX_DEPTH}")
         with os.scandir(dir_fd) as scan:
             for entry in scan:
-                budget[0] -= 1
-                if budget[0] < 0:
-                    raise Unsupported(f"more than {MAX_ENTRIES} entries")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"download of {prefix or '.'} took too long")
-                yield from self._entry(dir_fd, entry.name, prefix, depth, deadline, budget)
+                watch.entry()
+                yield from self._entry(dir_fd, entry.name, prefix, depth, watch)
 
     def _entry(
-        self, dir_fd: int, name: str, prefix: str, depth: int, deadline: float, budget: list[int]
+        self, dir_fd: int, name: str, prefix: str, depth: int, watch: Watch
     ) -> Iterator[Member]:
         rel = f"{prefix}{name}"
         try:
@@ -219,19 +243,19 @@ class SandboxRoot:
                 sub = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY)
                 try:
                     yield _info(rel, st), None
-                    yield from self._walk(sub, f"{rel}/", depth + 1, deadline, budget)
+                    yield from self._walk(sub, f"{rel}/", depth + 1, watch)
                 finally:
                     os.close(sub)
             elif stat.S_ISREG(st.st_mode):
                 self._check_own(fd, rel)
-                yield _info(rel, st), _copier(fd, st.st_size)
+                yield _info(rel, st), _copier(fd, st.st_size, watch)
             # devices, FIFOs, sockets: unpack skips them, so never opened here
         finally:
             os.close(fd)
 
     # -- uploads ------------------------------------------------------------------------
 
-    def upload(self, source: Path, target: str, *, contents: bool) -> None:
+    def upload(self, source: Path, target: str, watch: Watch, *, contents: bool) -> None:
         """Copy host `source` to sandbox path `target` (with `contents`, merge a directory's
         contents into `target`), as sandbox root would: owned by root inside, modes kept."""
         if not source.exists() and not source.is_symlink():
@@ -245,9 +269,9 @@ class SandboxRoot:
             try:
                 if contents:
                     for child in _children(source, ids):
-                        self._put(child, parent, child.name, 1, ids)
+                        self._put(child, parent, child.name, 1, ids, watch)
                 else:
-                    self._put(source, parent, name, 1, ids)
+                    self._put(source, parent, name, 1, ids, watch)
             finally:
                 os.close(parent)
 
@@ -274,16 +298,25 @@ class SandboxRoot:
             fd = sub
         return fd
 
-    def _put(self, source: Path, parent: int, name: str, depth: int, ids: _FilesystemIds) -> None:
+    def _put(
+        self,
+        source: Path,
+        parent: int,
+        name: str,
+        depth: int,
+        ids: _FilesystemIds,
+        watch: Watch,
+    ) -> None:
         """Copy host entry `source` to `name` in the sandbox directory fd `parent`. The host
         side is read as host root, the sandbox side written with the sandbox's ids."""
         if depth > MAX_DEPTH:
             raise Unsupported(f"upload deeper than {MAX_DEPTH}")
+        watch.entry()
         with ids.host():
             st = os.lstat(source)
         try:
             if stat.S_ISDIR(st.st_mode):
-                self._put_dir(source, st, parent, name, depth, ids)
+                self._put_dir(source, st, parent, name, depth, ids, watch)
             elif stat.S_ISLNK(st.st_mode):
                 with ids.host():
                     link = os.readlink(source)
@@ -303,6 +336,7 @@ class SandboxRoot:
                     try:
                         while chunk := os.read(src, CHUNK):
                             os.write(out, chunk)
+                            watch.check()
                         os.fchmod(out, stat.S_IMODE(st.st_mode))
                         os.utime(out, ns=(st.st_mtime_ns, st.st_mtime_ns))
                     finally:
@@ -324,6 +358,7 @@ class SandboxRoot:
         name: str,
         depth: int,
         ids: _FilesystemIds,
+        watch: Watch,
     ) -> None:
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o700, dir_fd=parent)
@@ -333,7 +368,7 @@ class SandboxRoot:
             raise Unsupported(f"{name}: {e.strerror}") from None
         try:
             for child in _children(source, ids):
-                self._put(child, fd, child.name, depth + 1, ids)
+                self._put(child, fd, child.name, depth + 1, ids, watch)
             os.fchmod(fd, stat.S_IMODE(st.st_mode))
             os.utime(fd, ns=(st.st_mtime_ns, st.st_mtime_ns))
         finally:
@@ -372,7 +407,7 @@ def _info(name: str, st: os.stat_result) -> tarfile.TarInfo:
     return info
 
 
-def _copier(path_fd: int, size: int) -> Callable[[int], None]:
+def _copier(path_fd: int, size: int, watch: Watch) -> Callable[[int], None]:
     """Copy `size` bytes (the size charged against the caps; later growth is not read) of
     the regular file behind the O_PATH fd `path_fd` into an fd, keeping holes as holes.
     Called while the member is being extracted, so while `path_fd` is still open."""
@@ -404,6 +439,7 @@ def _copier(path_fd: int, size: int) -> Callable[[int], None]:
                         break
                     os.pwrite(out, chunk, data)
                     data += len(chunk)
+                    watch.check()
                 pos = end
             os.ftruncate(out, size)
         finally:

@@ -13,7 +13,6 @@ import re
 import shlex
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -472,13 +471,20 @@ class LocalSandbox(CheckedDownloads):
     # Done by the host through the sandbox's root where it can (backends.sandbox.direct);
     # otherwise by `tar` run inside as sandbox root. Both give the same result.
 
-    async def _direct(self, what: str, transfer_fn: Callable[[direct.SandboxRoot], None]) -> bool:
-        """Run a transfer through the sandbox's root; False: it must go through `tar`."""
+    async def _direct(
+        self, what: str, transfer_fn: Callable[[direct.SandboxRoot, direct.Watch], None]
+    ) -> bool:
+        """Run a transfer through the sandbox's root; False: it must go through `tar`.
+
+        Like the tar path it gives up after `transfer_timeout_sec` and when cancelled (the
+        worker thread stops at its next chunk or entry and removes what it made).
+        """
         root = self._require().host_root() if self.host_transfers else None
         if root is None:
             return False
+        watch = direct.Watch(self.transfer_timeout_sec, what)
         try:
-            await anyio.to_thread.run_sync(transfer_fn, root)
+            await anyio.to_thread.run_sync(transfer_fn, root, watch, abandon_on_cancel=True)
         except direct.Unsupported as e:
             log.debug("%s goes through tar in the sandbox: %s", what, e)
             return False
@@ -486,6 +492,8 @@ class LocalSandbox(CheckedDownloads):
             raise ExecTimeoutError(
                 f"{what} took longer than {self.transfer_timeout_sec} s (transfer_timeout_sec)"
             ) from None
+        finally:
+            watch.stop()
         return True
 
     async def _untar_into(self, target_dir: str, pack: Callable[[BinaryIO], None]) -> None:
@@ -513,7 +521,8 @@ class LocalSandbox(CheckedDownloads):
         parent, name = target.rsplit("/", 1)
         source = Path(source_path)
         if await self._direct(
-            f"upload to {target}", lambda root: root.upload(source, target, contents=False)
+            f"upload to {target}",
+            lambda root, watch: root.upload(source, target, watch, contents=False),
         ):
             self._require().forget_users()  # an upload may have replaced /etc/passwd
             return
@@ -524,7 +533,8 @@ class LocalSandbox(CheckedDownloads):
         target = transfer.sandbox_path(target_dir, self.workdir)
         source = Path(source_dir)
         if await self._direct(
-            f"upload to {target}", lambda root: root.upload(source, target, contents=True)
+            f"upload to {target}",
+            lambda root, watch: root.upload(source, target, watch, contents=True),
         ):
             self._require().forget_users()
             return
@@ -582,8 +592,11 @@ class LocalSandbox(CheckedDownloads):
         limit = self._max_download
         if await self._direct(
             f"download of {source}",
-            lambda root: unpack.into_members(
-                root.file_member(source), target.parent, max_bytes=limit, rename_single=target.name
+            lambda root, watch: unpack.into_members(
+                root.file_member(source, watch),
+                target.parent,
+                max_bytes=limit,
+                rename_single=target.name,
             ),
         ):
             return
@@ -610,12 +623,11 @@ class LocalSandbox(CheckedDownloads):
         """
         source = transfer.sandbox_path(source_dir, self.workdir)
         target = Path(target_dir)
-        deadline = time.monotonic() + self.transfer_timeout_sec
         limit = self._max_download
         if await self._direct(
             f"download of {source}",
-            lambda root: unpack.into_members(
-                root.tree_members(source, deadline), target, max_bytes=limit
+            lambda root, watch: unpack.into_members(
+                root.tree_members(source, watch), target, max_bytes=limit
             ),
         ):
             return
