@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 from harbor.environments.base import BaseEnvironment
 
@@ -217,3 +218,67 @@ async def test_a_slow_host_transfer_gives_up_at_its_timeout(tmp_path: Path) -> N
         assert os.listdir(tmp_path / "agent") == []  # what it had made is gone again
     finally:
         await env.stop(delete=True)
+
+
+LEASE_HOLDER = r"""
+import fcntl, os, signal, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+fd = os.open("/logs/agent/leased", os.O_RDONLY)
+fcntl.fcntl(fd, 1024, fcntl.F_WRLCK)  # F_SETLEASE: opening it elsewhere waits for a break
+open("/logs/agent/ready", "w").close()
+time.sleep(3600)
+"""
+
+
+async def test_a_file_lease_stalls_only_its_own_transfer_and_only_until_its_timeout(
+    tmp_path: Path,
+) -> None:
+    # Breaking a lease makes an open wait 45 s: on the host that would hold a host thread.
+    # The host path turns it down at once; so does tar inside (or it waits, killed at the
+    # timeout): the download fails, soon, and nothing else waits for it.
+    env = LOCAL.make(tmp_path, kwargs={"transfer_timeout_sec": 3})
+    other = LOCAL.make(tmp_path)
+    await env.start(force_build=False)
+    await other.start(force_build=False)
+    try:
+        (tmp_path / "holder.py").write_text(LEASE_HOLDER)
+        await env.upload_file(tmp_path / "holder.py", "/holder.py")
+        await sh(
+            env,
+            "echo data > /logs/agent/leased; (python3 /holder.py &) ; "
+            "for i in $(seq 100); do [ -e /logs/agent/ready ] && exit; sleep 0.05; done; exit 1",
+        )
+        started = anyio.current_time()
+        async with anyio.create_task_group() as group:
+
+            async def stalled() -> None:
+                with pytest.raises(OSError):
+                    await env.download_file("/logs/agent/leased", tmp_path / "leased")
+
+            group.start_soon(stalled)
+            for i in range(20):  # another sandbox's transfers go on meanwhile
+                await other.download_file("/etc/hostname", tmp_path / f"hostname-{i}")
+            assert anyio.current_time() - started < 3
+        assert anyio.current_time() - started < 10
+    finally:
+        await env.stop(delete=True)
+        await other.stop(delete=True)
+
+
+async def test_a_bound_file_is_never_unmounted_by_an_upload(
+    env: BaseEnvironment, tmp_path: Path, secret_dir: Path
+) -> None:
+    # /bound is a host directory bound in; a file on it stands where the upload goes.
+    (tmp_path / "f").write_text("new\n")
+    with pytest.raises(OSError):
+        await env.upload_file(tmp_path / "f", "/bound/secret")
+    assert (secret_dir / "secret").read_text() == SECRET
+    assert " /bound " in await sh(env, "cat /proc/self/mountinfo")
+
+
+async def test_a_tree_deeper_than_the_host_walk_still_comes_back(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    await sh(env, "cd /logs/agent && for i in $(seq 60); do mkdir d && cd d; done && echo deep > f")
+    await env.download_dir("/logs/agent", tmp_path / "agent")
+    assert (tmp_path / "agent" / "/".join(["d"] * 60) / "f").read_text() == "deep\n"

@@ -51,7 +51,9 @@ OWN_FILESYSTEMS = ("overlay", "tmpfs")
 CHUNK = 1024 * 1024
 # Entries one transfer walks before leaving it to tar (whose archive the download limit
 # bounds): a listing is streamed, but a tree of millions is not worth a thread.
-MAX_ENTRIES = 100_000
+MAX_ENTRIES = 10_000
+# Levels one walk descends before leaving the tree to tar (one descriptor each).
+MAX_WALK_DEPTH = 32
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -99,10 +101,13 @@ def _openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) ->
 
 
 def _mount_id(fd: int) -> int:
-    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-        for line in f:
-            if line.startswith(b"mnt_id:"):
-                return int(line.split()[1])
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except OSError as e:  # EMFILE, ...: this host is short of something; tar may not be
+        raise Unsupported(f"cannot read fdinfo: {e.strerror}") from None
     raise Unsupported("no mount id in fdinfo (kernel too old)")
 
 
@@ -212,46 +217,66 @@ class SandboxRoot:
             os.close(fd)
 
     def _walk(self, dir_fd: int, prefix: str, depth: int, watch: Watch) -> Iterator[Member]:
-        if depth > MAX_DEPTH:
-            raise Unsupported(f"tree deeper than {MAX_DEPTH}")
+        """The entries under directory `dir_fd`, listed first: a tree costs one descriptor
+        per level at most (and `MAX_WALK_DEPTH` levels), whatever it holds."""
+        if depth > MAX_WALK_DEPTH:
+            raise Unsupported(f"tree deeper than {MAX_WALK_DEPTH}")
+        names = []
         with os.scandir(dir_fd) as scan:
             for entry in scan:
                 watch.entry()
-                yield from self._entry(dir_fd, entry.name, prefix, depth, watch)
+                names.append(entry.name)
+        for name in names:
+            watch.check()
+            rel = f"{prefix}{name}"
+            found = self._entry(dir_fd, name, rel, watch)
+            if found is None:
+                continue
+            members, dir_inode = found
+            yield from members
+            if dir_inode is None:
+                continue
+            try:
+                sub = _openat2(dir_fd, name, os.O_RDONLY | os.O_DIRECTORY, _CHILD)
+            except OSError as e:
+                raise Unsupported(f"{rel}: {e.strerror}") from None
+            try:
+                if os.fstat(sub).st_ino != dir_inode:
+                    raise Unsupported(f"{rel} was replaced while read")
+                self._check_own(sub, rel)
+                yield from self._walk(sub, f"{rel}/", depth + 1, watch)
+            finally:
+                os.close(sub)
 
     def _entry(
-        self, dir_fd: int, name: str, prefix: str, depth: int, watch: Watch
-    ) -> Iterator[Member]:
-        rel = f"{prefix}{name}"
+        self, dir_fd: int, name: str, rel: str, watch: Watch
+    ) -> tuple[Iterator[Member], int | None] | None:
+        """The members entry `name` of `dir_fd` gives and, for a directory, its inode
+        number (the walk goes in next); None if it is gone since listed."""
         try:
             fd = _openat2(dir_fd, name, os.O_PATH | os.O_NOFOLLOW, _CHILD)
         except OSError as e:
             if e.errno == errno.ENOENT:  # removed while we listed: as tar, skipped
-                return
+                return None
             raise Unsupported(f"{rel}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
+            info = _info(rel, st)
+            if stat.S_ISREG(st.st_mode):
+                self._check_own(fd, rel)
+                return _file_member(fd, info, watch), None  # it closes fd
             if stat.S_ISLNK(st.st_mode):
-                info = _info(rel, st)
                 try:
                     info.linkname = os.readlink(name, dir_fd=dir_fd)
                 except OSError as e:  # replaced while we looked
                     raise Unsupported(f"{rel}: {e.strerror}") from None
-                yield info, None
-            elif stat.S_ISDIR(st.st_mode):
-                self._check_own(fd, rel)
-                sub = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    yield _info(rel, st), None
-                    yield from self._walk(sub, f"{rel}/", depth + 1, watch)
-                finally:
-                    os.close(sub)
-            elif stat.S_ISREG(st.st_mode):
-                self._check_own(fd, rel)
-                yield _info(rel, st), _copier(fd, st.st_size, watch)
-            # devices, FIFOs, sockets: unpack skips them, so never opened here
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        os.close(fd)
+        # Directories (entered by the walk), links, and devices, FIFOs and sockets, which
+        # unpack skips: none of them is opened for reading here.
+        return iter([(info, None)]), st.st_ino if stat.S_ISDIR(st.st_mode) else None
 
     # -- uploads ------------------------------------------------------------------------
 
@@ -380,13 +405,28 @@ def _children(source: Path, ids: _FilesystemIds) -> list[Path]:
         return sorted(source.iterdir())
 
 
-def _replace_entry(parent: int, name: str) -> None:
-    """Remove a non-directory entry `name`, as tar does before extracting over it."""
+def _file_member(fd: int, info: tarfile.TarInfo, watch: Watch) -> Iterator[Member]:
+    """The file member, its O_PATH fd open until the member has been extracted."""
     try:
-        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        yield info, _copier(fd, info.size, watch)
+    finally:
+        os.close(fd)
+
+
+def _replace_entry(parent: int, name: str) -> None:
+    """Remove a non-directory entry `name`, as tar does before extracting over it. Never a
+    mount point (a file bound there): the host could unmount it, which sandbox root cannot."""
+    try:
+        fd = _openat2(parent, name, os.O_PATH | os.O_NOFOLLOW, _CHILD)  # EXDEV at a mount
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
+    except OSError as e:
+        raise Unsupported(f"{name}: {e.strerror}") from None
+    try:
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    if is_dir:
         raise Unsupported(f"{name} is a directory in the sandbox")
     os.unlink(name, dir_fd=parent)
 
@@ -414,7 +454,9 @@ def _copier(path_fd: int, size: int, watch: Watch) -> Callable[[int], None]:
 
     def copy(out: int) -> None:
         try:
-            src = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC)
+            # Non-blocking: a lease the sandbox holds on the file would make the open wait
+            # for its break (45 s) in a host thread; it fails at once instead (EWOULDBLOCK).
+            src = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise Unsupported(f"cannot open for reading: {e.strerror}") from None
         try:
@@ -428,7 +470,12 @@ def _copier(path_fd: int, size: int, watch: Watch) -> Callable[[int], None]:
                     raise Unsupported(f"cannot read: {e.strerror}") from None
                 if data >= size:
                     break
-                end = min(os.lseek(src, data, os.SEEK_HOLE), size)
+                try:
+                    end = min(os.lseek(src, data, os.SEEK_HOLE), size)
+                except OSError as e:
+                    if e.errno == errno.ENXIO:  # it shrank under us: the rest is gone
+                        break
+                    raise Unsupported(f"cannot read: {e.strerror}") from None
                 while data < end:
                     try:
                         chunk = os.pread(src, min(CHUNK, end - data), data)

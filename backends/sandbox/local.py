@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 import anyio
+from anyio.lowlevel import RunVar
 from harbor.environments.base import (
     ExecResult,
 )
@@ -484,7 +485,9 @@ class LocalSandbox(CheckedDownloads):
             return False
         watch = direct.Watch(self.transfer_timeout_sec, what)
         try:
-            await anyio.to_thread.run_sync(transfer_fn, root, watch, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(
+                transfer_fn, root, watch, abandon_on_cancel=True, limiter=_transfer_threads()
+            )
         except direct.Unsupported as e:
             log.debug("%s goes through tar in the sandbox: %s", what, e)
             return False
@@ -662,6 +665,20 @@ class LocalSandbox(CheckedDownloads):
             lambda archive: unpack.into(archive, target, max_bytes=self._max_download),
             stdin=stdin,
         )
+
+
+_TRANSFER_THREADS: RunVar[anyio.CapacityLimiter] = RunVar("local-sandbox transfer threads")
+
+
+def _transfer_threads() -> anyio.CapacityLimiter:
+    """Worker threads of host-side transfers, apart from anyio's default pool: transfers a
+    sandbox slows down (within their timeouts) never keep other work from its threads."""
+    try:
+        return _TRANSFER_THREADS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(16)
+        _TRANSFER_THREADS.set(limiter)
+        return limiter
 
 
 def _flag(value: bool | str, name: str) -> bool:

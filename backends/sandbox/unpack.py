@@ -216,7 +216,11 @@ class _Extraction:
         """Create an entry under a fresh temporary name, then rename it over `parts`."""
         parent = self.directory(parts[:-1])
         temp = f".backends-download-{uuid.uuid4().hex[:16]}"
-        write(temp, parent)
+        try:
+            write(temp, parent)
+        except BaseException:  # a half-written member is no member: nothing of it stays
+            _remove(temp, parent)
+            raise
         existed = _exists(parts[-1], parent)
         try:
             os.rename(temp, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
