@@ -282,3 +282,15 @@ async def test_a_tree_deeper_than_the_host_walk_still_comes_back(
     await sh(env, "cd /logs/agent && for i in $(seq 60); do mkdir d && cd d; done && echo deep > f")
     await env.download_dir("/logs/agent", tmp_path / "agent")
     assert (tmp_path / "agent" / "/".join(["d"] * 60) / "f").read_text() == "deep\n"
+
+
+async def test_replace_dirs_clears_whatever_stands_there(env: BaseEnvironment) -> None:
+    await sh(
+        env,
+        "rm -rf /tests && echo x > /tests && cd /logs/verifier && echo 1 > reward.txt && "
+        "for i in $(seq 300); do mkdir d && cd d; done",
+    )
+    await env.replace_dirs({"/tests": 0o755, "/logs/verifier": 0o777})  # type: ignore[attr-defined]
+    listing = await sh(env, "stat -c '%F %a %u' /tests /logs/verifier; ls -A /tests /logs/verifier")
+    assert listing.splitlines()[:2] == ["directory 755 0", "directory 777 0"]
+    assert "reward.txt" not in listing and " d\n" not in listing

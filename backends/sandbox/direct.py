@@ -31,6 +31,7 @@ import struct
 import tarfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -299,6 +300,35 @@ class SandboxRoot:
                     self._put(source, parent, name, 1, ids, watch)
             finally:
                 os.close(parent)
+
+    def replace_dirs(self, dirs: dict[str, int], watch: Watch) -> None:
+        """Put an empty root-owned directory of the given mode at each sandbox path, moving
+        whatever stood there (a file, a link, a tree of any depth) aside in its parent."""
+        ids = _FilesystemIds(self.uid, self.gid)
+        with self._root() as root, ids.sandbox():
+            for path, mode in dirs.items():
+                watch.check()
+                parent_path, name = path.rstrip("/").rsplit("/", 1)
+                parent = self._make_dirs(root, parent_path or "/")
+                try:
+                    aside = f".backends-replaced-{name}-{uuid.uuid4().hex[:12]}"
+                    try:
+                        # Never a mount point (EXDEV here): renaming it from the host would
+                        # detach the mount, which sandbox root cannot do.
+                        os.close(_openat2(parent, name, os.O_PATH | os.O_NOFOLLOW, _CHILD))
+                        os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
+                    except FileNotFoundError:
+                        pass
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                    fd = _openat2(parent, name, os.O_RDONLY | os.O_DIRECTORY, _CHILD)
+                    try:
+                        os.fchmod(fd, mode)
+                    finally:
+                        os.close(fd)
+                except OSError as e:  # a mount point (EBUSY), a race: `rm -rf` inside then
+                    raise Unsupported(f"cannot replace {path}: {e.strerror}") from None
+                finally:
+                    os.close(parent)
 
     def _make_dirs(self, root: int, path: str) -> int:
         """`mkdir -p` of sandbox path `path`; its fd."""

@@ -499,6 +499,29 @@ class LocalSandbox(CheckedDownloads):
             watch.stop()
         return True
 
+    async def replace_dirs(self, dirs: dict[str, int]) -> None:
+        """Put an empty root-owned directory of the given mode at each path, whatever stood
+        there (what an agent left at /tests or in /logs/verifier never reaches its grader).
+
+        Raises:
+            OSError: not possible (a mount point there, say).
+        """
+        paths = {transfer.sandbox_path(p, self.workdir): mode for p, mode in dirs.items()}
+        if await self._direct(
+            f"emptying {', '.join(paths)}", lambda root, watch: root.replace_dirs(paths, watch)
+        ):
+            return
+        # Inside instead, as Harbor empties directories (a mount point, such as a bound /logs
+        # directory, keeps its root and loses its contents).
+        # (A bound directory may not be ours to chmod: it keeps its mode.)
+        script = " && ".join(
+            [self._empty_dirs_command(list(paths), chmod=False)]
+            + [f"{{ chmod {mode:o} {shlex.quote(p)} || true; }}" for p, mode in paths.items()]
+        )
+        res = await self.exec(script, user="root", timeout_sec=int(self.transfer_timeout_sec))
+        if res.return_code != 0:
+            raise OSError(f"cannot empty {', '.join(paths)}: {(res.stderr or '').strip()}")
+
     async def _untar_into(self, target_dir: str, pack: Callable[[BinaryIO], None]) -> None:
         box = self._require()
         root = await box.resolve_user(0)
