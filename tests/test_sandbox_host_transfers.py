@@ -294,3 +294,17 @@ async def test_replace_dirs_clears_whatever_stands_there(env: BaseEnvironment) -
     listing = await sh(env, "stat -c '%F %a %u' /tests /logs/verifier; ls -A /tests /logs/verifier")
     assert listing.splitlines()[:2] == ["directory 755 0", "directory 777 0"]
     assert "reward.txt" not in listing and " d\n" not in listing
+
+
+async def test_uploads_into_a_setgid_directory_are_roots_as_tar_makes_them(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    await sh(env, "useradd -m agent && mkdir /t1 && chown agent:agent /t1 && chmod 2777 /t1")
+    src = tmp_path / "tests"
+    (src / "sub").mkdir(parents=True)
+    (src / "test.sh").write_text("#!/bin/sh\n")
+    (src / "test.sh").chmod(0o4775)
+    (src / "sub").chmod(0o2775)
+    await env.upload_dir(src, "/t1")
+    listing = await sh(env, "stat -c '%n %U:%G %a' /t1/test.sh /t1/sub")
+    assert listing.splitlines() == ["/t1/test.sh root:root 4775", "/t1/sub root:root 2775"]

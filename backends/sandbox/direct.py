@@ -322,6 +322,7 @@ class SandboxRoot:
                     os.mkdir(name, 0o700, dir_fd=parent)
                     fd = _openat2(parent, name, os.O_RDONLY | os.O_DIRECTORY, _CHILD)
                     try:
+                        self._own_by_root(fd)
                         os.fchmod(fd, mode)
                     finally:
                         os.close(fd)
@@ -329,6 +330,11 @@ class SandboxRoot:
                     raise Unsupported(f"cannot replace {path}: {e.strerror}") from None
                 finally:
                     os.close(parent)
+
+    def _own_by_root(self, fd: int) -> None:
+        """Root's group too (in a setgid directory a new entry takes the directory's group),
+        before the mode is set: chmod keeps setgid only for the owner's own group."""
+        os.fchown(fd, self.uid, self.gid)
 
     def _make_dirs(self, root: int, path: str) -> int:
         """`mkdir -p` of sandbox path `path`; its fd."""
@@ -392,6 +398,7 @@ class SandboxRoot:
                         while chunk := os.read(src, CHUNK):
                             os.write(out, chunk)
                             watch.check()
+                        self._own_by_root(out)
                         os.fchmod(out, stat.S_IMODE(st.st_mode))
                         os.utime(out, ns=(st.st_mtime_ns, st.st_mtime_ns))
                     finally:
@@ -424,6 +431,7 @@ class SandboxRoot:
         try:
             for child in _children(source, ids):
                 self._put(child, fd, child.name, depth + 1, ids, watch)
+            self._own_by_root(fd)
             os.fchmod(fd, stat.S_IMODE(st.st_mode))
             os.utime(fd, ns=(st.st_mtime_ns, st.st_mtime_ns))
         finally:
