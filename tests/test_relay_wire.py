@@ -7,7 +7,10 @@ the SDKs' own type definitions, every call against the trace.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -905,3 +908,103 @@ async def test_request_translation_keeps_images_turns_and_tool_history() -> None
     ]  # fmt: skip
     assert [t["function"]["name"] for t in messages["tools"]] == ["look"]  # server tool left out
     assert (messages["tool_choice"], messages["parallel_tool_calls"]) == ("required", False)
+
+
+_ODD: list[Any] = [None, 0, -1, 1.5, True, "", "x", [], [1], {}, {"type": "text"}, {"type": 5}]
+
+
+def _mutated(base: Any, rng: random.Random) -> Any:
+    """``base`` with one to three values anywhere in it replaced by odd JSON, or removed."""
+    value = copy.deepcopy(base)
+    places: list[tuple[Any, Any]] = []
+
+    def walk(node: Any) -> None:
+        keys = node.keys() if isinstance(node, dict) else range(len(node))
+        for key in keys:
+            places.append((node, key))
+            if isinstance(node[key], dict | list):
+                walk(node[key])
+
+    walk(value)
+    for _ in range(rng.randint(1, 3)):
+        node, key = rng.choice(places)
+        try:
+            if isinstance(node, dict) and rng.random() < 0.2:
+                del node[key]
+            else:
+                node[key] = copy.deepcopy(rng.choice(_ODD))
+        except (KeyError, IndexError):
+            pass  # a place an earlier mutation removed
+    return value
+
+
+async def test_any_json_is_translated_or_refused_never_a_crash() -> None:
+    """Seeded fuzz of both translations, requests and answers: anything else than a
+    ``WireError`` (a 400 naming the field) would be a 500 for the agent."""
+    from backends.relay.wire import MESSAGES_WIRE, RESPONSES_WIRE, WireError
+
+    responses_request = {
+        "model": "m", "instructions": "i", "stream": True, "include": ["message.output_text.logprobs"],
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "q"},
+                                         {"type": "input_image", "image_url": "data:,"}]},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+            {"type": "function_call", "call_id": "c", "name": "n", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "o"},
+            {"type": "custom_tool_call", "call_id": "d", "name": "p", "input": "x"}],
+        "tools": [{"type": "function", "name": "n", "parameters": {}}, {"type": "custom", "name": "p"}],
+        "tool_choice": {"type": "function", "name": "n"}, "reasoning": {"effort": "low"},
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+    }  # fmt: skip
+    messages_request = {
+        "model": "m", "max_tokens": 5, "stream": True, "stop_sequences": ["x"],
+        "system": [{"type": "text", "text": "s"}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "q"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "t"}, {"type": "text", "text": "a"},
+                {"type": "tool_use", "id": "t", "name": "n", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+                {"type": "text", "text": "r"}, {"type": "image", "source": {"type": "url", "url": "u"}}]}]}],
+        "tools": [{"name": "n", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "n"},
+    }  # fmt: skip
+    completion = {
+        "model": "m",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        "choices": [{"index": 0, "finish_reason": "tool_calls",
+                     "logprobs": {"content": [{"token": "a", "logprob": -1.0}]},
+                     "message": {"role": "assistant", "content": "a", "reasoning_content": "r",
+                                 "tool_calls": [{"id": "x", "type": "function",
+                                                 "function": {"name": "p", "arguments": "{}"}}]}}],
+    }  # fmt: skip
+    rng = random.Random(12)
+    translated = refused = 0
+    for wire, request in ((RESPONSES_WIRE, responses_request), (MESSAGES_WIRE, messages_request)):
+        assert wire.translate is not None
+        for _ in range(1500):
+            try:
+                translation = wire.translate(_mutated(request, rng))
+                json.dumps(translation.chat_request)
+            except WireError:
+                refused += 1
+                continue
+            translated += 1
+            odd = _mutated(completion, rng)
+            with contextlib.suppress(WireError):
+                json.loads(translation.answer(odd))
+            stream = translation.stream()
+            choice = (
+                odd["choices"][0] if isinstance(odd.get("choices"), list) and odd["choices"] else {}
+            )
+            delta = choice.get("message") if isinstance(choice, dict) else None
+            chunk = {
+                "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": "stop"}],
+            }
+            noise = bytes(rng.randrange(256) for _ in range(rng.randint(0, 30)))
+            events = stream.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n" + noise)
+            events += stream.finish()
+            assert events.endswith(b"\n\n")
+    assert translated > 200 and refused > 1000  # both outcomes were exercised

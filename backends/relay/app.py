@@ -392,7 +392,7 @@ class RelayApp:
                 else:
                     try:
                         answer = translation.answer(json.loads(payload))
-                    except ValueError as exc:  # not JSON, or not a chat completion
+                    except (ValueError, RecursionError) as exc:  # not a chat completion
                         if call.generation == generation:
                             call.response_body = payload
                             call.upstream_status = status

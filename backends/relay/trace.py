@@ -189,7 +189,7 @@ def _is_int_list(value: Any) -> bool:
 def _loads_object(body: bytes) -> dict[str, Any] | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested deeper than the parser goes
         return None
     return value if isinstance(value, dict) else None
 

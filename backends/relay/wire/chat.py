@@ -55,7 +55,8 @@ class Answer:
         if isinstance(content, str):
             answer.text, answer.has_text = content, bool(content)
         answer.reasoning = _reasoning(message)
-        for i, call in enumerate(message.get("tool_calls") or []):
+        calls = message.get("tool_calls")
+        for i, call in enumerate(calls if isinstance(calls, list) else []):
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
                 answer.tool_calls.append(
@@ -125,7 +126,7 @@ class ChatStream:
             return
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
         if not isinstance(chunk, dict):
             return
@@ -139,13 +140,16 @@ class ChatStream:
             answer.model = _str(chunk.get("model"))
         if isinstance(chunk.get("usage"), dict):
             answer.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 self._choice(choice, pieces)
 
     def _choice(self, choice: dict[str, Any], pieces: list[Piece]) -> None:
         answer = self.answer
-        delta = choice.get("delta") or {}
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            delta = {}
         reasoning = _reasoning(delta)
         if reasoning:
             answer.reasoning += reasoning
@@ -158,16 +162,21 @@ class ChatStream:
             answer.text += content
             answer.has_text = True
             pieces.append(Piece("text", content, logprobs))
-        for part in delta.get("tool_calls") or []:
+        parts = delta.get("tool_calls")
+        for part in parts if isinstance(parts, list) else []:
             if not isinstance(part, dict):
                 continue
             index = part.get("index", len(self._calls))
+            if not isinstance(index, int) or isinstance(index, bool):
+                continue
             call = self._calls.get(index)
             if call is None:
                 call = self._calls[index] = ToolCall(id=f"call_{index}", name="", arguments="")
             if part.get("id"):
                 call.id = str(part["id"])
-            function = part.get("function") or {}
+            function = part.get("function")
+            if not isinstance(function, dict):
+                function = {}
             if function.get("name"):
                 call.name += str(function["name"])
             if function.get("arguments"):
@@ -194,7 +203,7 @@ def sse_objects(body: bytes) -> Iterator[dict[str, Any]]:
         )
         try:
             payload = json.loads(data) if data else None
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(payload, dict):
             yield payload
@@ -260,28 +269,6 @@ def chat_usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
-
-
-def text_of_parts(content: Any, kinds: frozenset[str], where: str) -> str:
-    """The text of a string or of a list of text parts; ``WireError`` names a foreign part."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise WireError(f"{where} must be a string or a list of content parts")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in kinds:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise WireError(f"{where}[{i}] has type {kind!r}; only text is accepted here")
-        texts.append(_text_field(part, f"{where}[{i}]"))
-    return "".join(texts)
-
-
-def _text_field(part: dict[str, Any], where: str) -> str:
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise WireError(f"{where}.text must be a string")
-    return text
 
 
 def object_arguments(arguments: str) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def upstream_error(status: int, payload: bytes) -> bytes:
     """An upstream's chat-completions error body, in Anthropic's shape (its message kept)."""
     try:
         error = json.loads(payload).get("error")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         error = None
     message = error.get("message") if isinstance(error, dict) else error
     text = message if isinstance(message, str) else payload.decode("utf-8", "replace")[:2000]

@@ -38,7 +38,8 @@ from backends.relay.wire.chat import (
 NAME = "responses"
 PATH = "/responses"
 
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+# A tuple, not a set: a part's "type" may be any JSON value, and a list is not hashable.
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _CUSTOM_PARAMETERS = {
     "type": "object",
     "properties": {"input": {"type": "string"}},
