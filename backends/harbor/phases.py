@@ -67,6 +67,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
+from backends.runtimes.build import Runtime
 from backends.sandbox.local import TRANSFER_TIMEOUT_SEC, LocalSandbox
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class TrialSettings:
     local_sandbox: bool
     remote_sandbox: bool = False  # a SkyPilot pod: told the relay's advertised URL
     workflow: WorkflowPlan | None = None  # agent=<AgentWorkflow>, run from its bundle
+    runtime: Runtime | None = None  # the agent's prepared runtime (set at the backend's start)
     end_agent_processes: bool = True
     active_trials: set[str] = field(default_factory=set)
     _agent_class: type[BaseAgent] | None = None
@@ -114,7 +116,7 @@ class TrialSettings:
         """The agent's class (imported once: terminus-2 brings Harbor's LiteLLM, ~7 s)."""
         if self._agent_class is None:
             self._agent_class = AgentFactory.get_agent_class_from_config(
-                AgentConfig(name=self.agent.name, import_path=self.agent.import_path)
+                AgentConfig(**self.agent.harbor_config())
             )
         return self._agent_class
 
@@ -429,9 +431,13 @@ class TrialPhases(RolloutPhases):
                     "policy_base_url": route.base_url,
                     "policy_api_key": route.api_key,
                 }
+        if settings.agent.runtime is not None:
+            # Bound in read-only instead of Harbor's install (prepared at the backend's start).
+            assert settings.runtime is not None, "the backend's start() prepares the runtime"
+            environment.kwargs = settings.runtime.sandbox_kwargs(environment.kwargs)
+            kwargs["runtime_dir"] = str(settings.runtime.path)
         return AgentConfig(
-            name=settings.agent.name,
-            import_path=settings.agent.import_path,
+            **settings.agent.harbor_config(),
             model_name=model,
             base_url=base_url,
             kwargs=kwargs,

@@ -390,7 +390,8 @@ class LocalSandbox(CheckedDownloads):
             f"grep -q ':{hex_port} 00000000:0000 0A' /proc/net/tcp && exit 0; sleep 0.01; done\n"
             "exit 1"
         )
-        res = await self.exec(script, user="root")
+        # From /: the task's workdir may not exist yet (it is made after start).
+        res = await self.exec(script, user="root", cwd="/")
         if res.return_code != 0:
             raise SandboxNotRunningError(f"relay forwarder did not start on port {port}")
 
