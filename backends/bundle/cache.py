@@ -1,7 +1,8 @@
 """The bundle cache's bookkeeping: who uses which entry, and pruning the ones nobody uses.
 
 Entries are the built bundles (``bundles/<key>/``), the installed environments
-(``environments/<key>/``) and the wheelhouses (``bundles/wheelhouse/<target>/``). Whoever
+(``environments/<key>/``), the wheelhouses (``bundles/wheelhouse/<target>/``) and the agent
+runtimes (``runtimes/<name>-<key>/``, ``backends.runtimes``). Whoever
 uses an entry holds a shared ``flock`` on its lock file (``<entry>.lock``) for as long as it
 does: a backend for its whole life, a build while it links wheels. An install, and a removal,
 hold it exclusively. So ``prune`` removes only entries nobody holds, in this process or any
@@ -19,6 +20,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from backends.sandbox.settings import cache_dir
 log = logging.getLogger(__name__)
 
 STAMP = ".last-used"
+COMPLETE = ".complete"  # a finished environment's or runtime's marker, written last
 SIZE_FILE = ".size"
 WHEELHOUSE = "wheelhouse"
 # A stage dir (``.<key>.*``) this old belongs to a build or install that died.
@@ -95,6 +98,31 @@ async def hold(entry: Path, *, exclusive: bool = False, poll_sec: float = 0.1) -
         if (found := try_hold(entry, exclusive=exclusive)) is not None:
             return found
         await anyio.sleep(poll_sec)
+
+
+async def hold_built(entry: Path, build: Callable[[], Awaitable[None]]) -> Hold:
+    """Hold ``entry`` once it is complete (``entry/.complete``), calling ``build`` first if not.
+
+    The build runs under the entry's exclusive lock, so concurrent callers in any process
+    build once and the others find it built. A new build prunes the cache to its bound.
+    """
+    built = False
+    while True:
+        held = await hold(entry)
+        if (entry / COMPLETE).is_file():
+            break
+        held.release()
+        builder = await hold(entry, exclusive=True)
+        try:
+            if not (entry / COMPLETE).is_file():
+                await build()
+                built = True
+        finally:
+            builder.release()
+    stamp(entry)
+    if built:
+        await anyio.to_thread.run_sync(prune_to_bound)
+    return held
 
 
 def stamp(entry: Path) -> None:
@@ -165,7 +193,7 @@ def configured_max_bytes() -> int | None:
 
 @dataclass
 class Entry:
-    kind: str  # "environment", "bundle" or "wheel"
+    kind: str  # "environment", "bundle", "wheel" or "runtime"
     path: Path
     size_bytes: int
     last_used: float
@@ -211,6 +239,14 @@ def _environments(root: Path) -> list[Entry]:
             bundle = None  # an install that never finished is removed like any other
         found.append(Entry("environment", path, entry_size(path), _last_used(path), bundle))
     return found
+
+
+def _runtimes(root: Path) -> list[Entry]:
+    return [
+        Entry("runtime", path, entry_size(path), _last_used(path))
+        for path in (sorted(root.iterdir()) if root.is_dir() else [])
+        if not path.name.startswith(".") and path.is_dir()
+    ]
 
 
 def _bundles(root: Path) -> list[Entry]:
@@ -272,7 +308,7 @@ def prune(
     dry_run: bool = False,
     root: Path | None = None,
 ) -> PruneReport:
-    """Remove cached environments, bundles and wheels nobody holds.
+    """Remove cached environments, bundles, wheels and agent runtimes nobody holds.
 
     Goes least recently used first: with ``everything`` all of them; else each unused for
     longer than ``older_than_sec``, then more until the cache is at most ``max_bytes``.
@@ -281,14 +317,16 @@ def prune(
     """
     root = root or cache_dir()
     bundles_root, envs_root = root / "bundles", root / "environments"
+    runtimes_root = root / "runtimes"
     now = time.time()
     if not dry_run:
-        _remove_leftovers(bundles_root, envs_root, now=now)
+        _remove_leftovers(bundles_root, envs_root, runtimes_root, now=now)
     envs = _environments(envs_root)
     bundles = _bundles(bundles_root)
+    runtimes = _runtimes(runtimes_root)
     wheelhouses = sorted(p for p in (bundles_root / WHEELHOUSE).glob("*") if p.is_dir())
     wheel_bytes = sum(disk_size(w) for w in wheelhouses)
-    total = sum(e.size_bytes for e in [*envs, *bundles]) + wheel_bytes
+    total = sum(e.size_bytes for e in [*envs, *bundles, *runtimes]) + wheel_bytes
     report = PruneReport()
 
     def due(entry: Entry) -> bool:
@@ -318,9 +356,9 @@ def prune(
     by_bundle: dict[str, list[Entry]] = {}
     for env in envs:
         by_bundle.setdefault(env.bundle or "", []).append(env)
-    # Environments are the bulk (a few hundred MB each); a bundle is worth removing once
-    # its environments are gone, and takes those that were left with it.
-    for env in sorted(envs, key=lambda e: e.last_used):
+    # Environments and runtimes are the bulk (a few hundred MB each); a bundle is worth
+    # removing once its environments are gone, and takes those that were left with it.
+    for env in sorted([*envs, *runtimes], key=lambda e: e.last_used):
         if due(env):
             take(env)
     removed = {id(e) for e in report.removed}

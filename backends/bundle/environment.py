@@ -94,7 +94,7 @@ async def image_platform(environment_dir: Path, docker_image: str | None) -> str
         return known.read_text().strip()
     except OSError:
         pass
-    out = await _run_in_sandbox(
+    out = await run_in_sandbox(
         environment_dir,
         docker_image,
         [],
@@ -169,22 +169,9 @@ async def ensure_environment(
     image = image_identity(environment_dir, docker_image)
     root = root or environments_dir()
     path = root / environment_key(bundle, image, prefix)
-    installed = False
-    while True:
-        held = await cache.hold(path)
-        if (path / ".complete").is_file():
-            break
-        held.release()
-        installer = await cache.hold(path, exclusive=True)
-        try:
-            if not (path / ".complete").is_file():
-                await _install(bundle, path, environment_dir, docker_image, entrypoint, image)
-                installed = True
-        finally:
-            installer.release()
-    cache.stamp(path)
-    if installed:
-        await anyio.to_thread.run_sync(cache.prune_to_bound)
+    held = await cache.hold_built(
+        path, lambda: _install(bundle, path, environment_dir, docker_image, entrypoint, image)
+    )
     return Environment(path, bundle, prefix, held)
 
 
@@ -202,7 +189,7 @@ async def _install(
     os.chown(stage, UID_BASE, UID_BASE)  # sandbox root writes it
     python = Path(sys.base_prefix) / "bin" / "python3"
     try:
-        await _run_in_sandbox(
+        await run_in_sandbox(
             environment_dir,
             docker_image,
             [
@@ -239,7 +226,7 @@ async def _check_in_sandbox(
         f"{q(str(path / 'bin' / 'python'))} -m backends.bundle.runner check "
         f"{q(str(bundle.project_dir))} {q(entrypoint)}"
     )
-    stdout = await _run_in_sandbox(
+    stdout = await run_in_sandbox(
         environment_dir,
         docker_image,
         _bundle_binds(bundle, stage, path, read_only=True),
@@ -263,7 +250,7 @@ def _bundle_binds(bundle: Bundle, stage: Path, target: Path, *, read_only: bool)
     ]
 
 
-async def _run_in_sandbox(
+async def run_in_sandbox(
     environment_dir: Path,
     docker_image: str | None,
     binds: list[Bind],

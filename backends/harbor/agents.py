@@ -1,7 +1,7 @@
 """Which Harbor agent runs a trial: any name in Harbor's registry or a ``BaseAgent`` import path.
 
-An ``AgentWorkflow`` runs inside the sandbox from a rollout bundle; until bundles exist that
-is refused with an error saying so.
+A registry name with a runtime recipe (``backends.runtimes``, e.g. ``mini-swe-agent``) runs
+as the recipe's agent class: Harbor's own, its install replaced by the prepared runtime.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from harbor.agents.factory import AgentFactory
 
 from backends.rollout.loading import load_object
 from backends.rollout.workflow import AgentWorkflow
+from backends.runtimes.recipes import runtime_for
 
 # Harbor's agents that call no model: they need no relay route.
 MODEL_FREE = frozenset({"oracle", "nop"})
@@ -29,6 +30,7 @@ class AgentSpec:
 
     name: str | None = None
     import_path: str | None = None
+    runtime: str | None = None  # the recipe in backends.runtimes that replaces its install
 
     @property
     def label(self) -> str:
@@ -37,6 +39,13 @@ class AgentSpec:
     @property
     def calls_model(self) -> bool:
         return self.name not in MODEL_FREE
+
+    def harbor_config(self) -> dict[str, str | None]:
+        """The ``name`` and ``import_path`` of Harbor's ``AgentConfig`` for this agent."""
+        recipe = runtime_for(self.runtime)
+        if recipe is not None:
+            return {"name": None, "import_path": recipe.agent_class}
+        return {"name": self.name, "import_path": self.import_path}
 
 
 def resolve_agent(agent: str | type) -> AgentSpec:
@@ -53,7 +62,7 @@ def resolve_agent(agent: str | type) -> AgentSpec:
                 f"agent {agent!r} is not in Harbor's registry; known agents: {', '.join(names)} "
                 "(or pass a BaseAgent import path 'module:Class')"
             )
-        return AgentSpec(name=agent)
+        return AgentSpec(name=agent, runtime=agent if runtime_for(agent) else None)
     try:
         cls: Any = load_object(agent)
     except ImportError as exc:

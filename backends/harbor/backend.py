@@ -40,6 +40,7 @@ from backends.rollout.loading import load_object
 from backends.rollout.phases import run_phases
 from backends.rollout.request import RolloutRequest, RolloutResult, RolloutStatus
 from backends.rollout.workflow import Grader
+from backends.runtimes import ensure_runtime, runtime_for
 
 LOCAL_SANDBOX = "backends.sandbox.local:LocalSandbox"
 SKYPILOT_SANDBOX = "backends.sandbox.skypilot:SkyPilotSandbox"
@@ -180,6 +181,14 @@ class HarborBackend:
             AgentSpec(import_path=BUNDLE_AGENT) if workflow else resolve_agent(agent)
         )
         self.environment = build_environment_config(environment, environment_config)
+        if self.agent.runtime is not None and not _is_local_sandbox(self.environment):
+            raise ValueError(
+                f"agent {self.agent.label!r} runs from a runtime prepared on this host and "
+                "bound into local sandboxes; this environment cannot bind it. A remote sandbox "
+                "needs an image with the runtime built in at the same path, which this version "
+                "does not build; or pass Harbor's own class by import path "
+                "(harbor.agents.installed...:Class) to let it install itself, with network"
+            )
         self.settings = TrialSettings(
             tasks_dir=tasks,
             task_mode=task_mode,
@@ -230,8 +239,9 @@ class HarborBackend:
 
     async def _warm_up(self) -> None:
         """Pay one-time costs before the first rollout: the agent's module (for terminus-2,
-        Harbor's LiteLLM, about 7 s), LiteLLM's offline model map, and reaping the local
-        sandboxes (or SkyPilot sandboxes) of a killed earlier run."""
+        Harbor's LiteLLM, about 7 s), LiteLLM's offline model map, reaping the local
+        sandboxes (or SkyPilot sandboxes) of a killed earlier run, and building the agent's
+        runtime the first time on this host (mini-swe-agent's: about a minute, once)."""
         # LiteLLM fetches its model cost map from the network at import unless told not to.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         await anyio.to_thread.run_sync(self.settings.agent_class)
@@ -247,6 +257,9 @@ class HarborBackend:
             await anyio.to_thread.run_sync(reap_dead_runs)
         if self.settings.workflow is not None:  # the bundle, built and installed once
             await self.settings.workflow.prepare(self.tasks_dir)
+        recipe = runtime_for(self.agent.runtime)
+        if recipe is not None and self.settings.runtime is None:  # built once per host
+            self.settings.runtime = await ensure_runtime(recipe)
 
     # -- the backend contract -------------------------------------------------------------
 
@@ -288,6 +301,9 @@ class HarborBackend:
             await self._drained.wait()
         if self.settings.workflow is not None:  # its warm runner ends; its bundle may go
             await self.settings.workflow.aclose()
+        runtime, self.settings.runtime = self.settings.runtime, None
+        if runtime is not None:  # likewise its agent's runtime
+            runtime.release()
 
     async def execute(self, request: RolloutRequest) -> RolloutResult:
         await self.start()

@@ -34,6 +34,7 @@ from harbor.models.trial.config import (
     TrialConfig,
     VerifierConfig,
 )
+from harbor.models.trial.paths import EnvironmentPaths
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
 from harbor.utils.env import is_sensitive_env_key
@@ -50,7 +51,7 @@ from backends.harbor.files import (
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
-from backends.harbor.trial import forget_loggers, hold_no_log_file, run_to_end
+from backends.harbor.trial import create_trial, forget_loggers, run_to_end
 from backends.rollout.errors import (
     ErrorCategory,
     Phase,
@@ -66,6 +67,7 @@ from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.user_code import fresh_config, grade_sample
 from backends.rollout.workflow import Grader
+from backends.runtimes.build import Runtime
 from backends.sandbox.local import TRANSFER_TIMEOUT_SEC, LocalSandbox
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ class TrialSettings:
     local_sandbox: bool
     remote_sandbox: bool = False  # a SkyPilot pod: told the relay's advertised URL
     workflow: WorkflowPlan | None = None  # agent=<AgentWorkflow>, run from its bundle
+    runtime: Runtime | None = None  # the agent's prepared runtime (set at the backend's start)
     end_agent_processes: bool = True
     active_trials: set[str] = field(default_factory=set)
     _agent_class: type[BaseAgent] | None = None
@@ -113,7 +116,7 @@ class TrialSettings:
         """The agent's class (imported once: terminus-2 brings Harbor's LiteLLM, ~7 s)."""
         if self._agent_class is None:
             self._agent_class = AgentFactory.get_agent_class_from_config(
-                AgentConfig(name=self.agent.name, import_path=self.agent.import_path)
+                AgentConfig(**self.agent.harbor_config())
             )
         return self._agent_class
 
@@ -145,6 +148,21 @@ _END_AGENT_PROCESSES = (
     "for ((i = 0; i < 50; i++)); do kill -KILL -1 2>/dev/null; left=0; "
     "for p in /proc/[0-9]*; do p=${p#/proc/}; [[ $p == 1 || $p == $$ ]] || ((left++)); done; "
     "((left == 0)) && exit 0; sleep 0.02; done; exit 1"
+)
+
+# What grading starts from, whatever the agent left there: an empty /tests for the tests'
+# upload (a file at /tests would fail it, which Harbor counts as the sandbox's failure and
+# retries) and an empty /logs/verifier (a tree too deep to download, or planted rewards).
+_GRADING_DIRS = {
+    str(EnvironmentPaths.tests_dir): 0o755,
+    str(EnvironmentPaths.verifier_dir): 0o777,
+}
+_EMPTY_GRADING_DIRS = (
+    "".join(
+        f"rm -rf -- {d} && mkdir -p -- {d} && chmod {mode:o} {d} && "
+        for d, mode in _GRADING_DIRS.items()
+    )
+    + "true"
 )
 
 
@@ -210,8 +228,7 @@ class TrialPhases(RolloutPhases):
         self.settings.active_trials.add(self.trial_name)
         try:
             config = self._trial_config()
-            self.trial = await Trial.create(config)
-            hold_no_log_file(self.trial)
+            self.trial = await create_trial(config)
         except RolloutValidationError:
             raise
         except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task
@@ -267,9 +284,14 @@ class TrialPhases(RolloutPhases):
             environment = self.trial.agent_environment
             if isinstance(environment, LocalSandbox):
                 ended = await environment.end_processes()  # from the host: no command
+                if ended:
+                    await environment.replace_dirs(_GRADING_DIRS)
             else:
                 result = await environment.exec(_END_AGENT_PROCESSES, user="root", timeout_sec=30)
                 ended = result.return_code == 0
+                if ended:  # as Harbor does between the steps of a multi-step task
+                    await environment.empty_dirs([EnvironmentPaths.verifier_dir], chmod=True)
+                    await environment.empty_dirs([EnvironmentPaths.tests_dir], chmod=False)
             # A survivor could still rewrite the reward: the verdict is not the tests'.
             self.survivors = not ended
 
@@ -409,9 +431,13 @@ class TrialPhases(RolloutPhases):
                     "policy_base_url": route.base_url,
                     "policy_api_key": route.api_key,
                 }
+        if settings.agent.runtime is not None:
+            # Bound in read-only instead of Harbor's install (prepared at the backend's start).
+            assert settings.runtime is not None, "the backend's start() prepares the runtime"
+            environment.kwargs = settings.runtime.sandbox_kwargs(environment.kwargs)
+            kwargs["runtime_dir"] = str(settings.runtime.path)
         return AgentConfig(
-            name=settings.agent.name,
-            import_path=settings.agent.import_path,
+            **settings.agent.harbor_config(),
             model_name=model,
             base_url=base_url,
             kwargs=kwargs,

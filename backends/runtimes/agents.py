@@ -1,0 +1,120 @@
+"""Harbor's installed agents, run from a prepared runtime instead of installing themselves.
+
+``PreparedRuntimeAgent`` goes first in the bases of a subclass of Harbor's own agent class and
+changes two things through Harbor's public agent API: ``install()`` only checks that the
+runtime is in the sandbox (bound there read-only by HarborBackend), and every command the
+agent runs (``exec_as_agent``) finds the runtime's tools first on its PATH, with the recipe's
+variables. Everything else (the command line, the model connection, the trajectory and its
+ATIF conversion) is Harbor's.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from harbor.agents.installed.base import BaseInstalledAgent
+from harbor.agents.installed.mini_swe_agent import MiniSweAgent as HarborMiniSweAgent
+from harbor.environments.base import BaseEnvironment
+from harbor.models.agent.context import AgentContext
+from harbor.models.trajectories import Trajectory
+
+from backends.runtimes.build import RuntimeManifest
+
+
+class RuntimeMissingError(RuntimeError):
+    """The prepared runtime is not in the trial's sandbox."""
+
+
+class PreparedRuntimeAgent(BaseInstalledAgent):
+    """Put first in the bases, before Harbor's agent class; takes ``runtime_dir``."""
+
+    def __init__(self, *args: Any, runtime_dir: str | None = None, **kwargs: Any) -> None:
+        if not runtime_dir:
+            raise ValueError(
+                f"{type(self).__name__} runs from a prepared runtime: HarborBackend passes "
+                "runtime_dir (use agent=<Harbor's name> there)"
+            )
+        self.runtime_dir = Path(runtime_dir)
+        self.runtime = RuntimeManifest.load(runtime_dir)
+        super().__init__(*args, **kwargs)
+        if self.version() is None:
+            self._version = self.runtime.version
+
+    def get_version_command(self) -> str | None:
+        return None  # known from the manifest; no command to run
+
+    async def install(self, environment: BaseEnvironment) -> None:
+        tools = " ".join(
+            shlex.quote(str(self.runtime_dir / "bin" / c)) for c in self.runtime.commands
+        )
+        found = await environment.exec(f'for t in {tools}; do test -x "$t" || exit 1; done')
+        if found.return_code != 0:
+            raise RuntimeMissingError(
+                f"the {self.runtime.name} runtime ({self.runtime_dir}) is not in this sandbox: "
+                "HarborBackend binds it into local sandboxes only"
+            )
+
+    async def exec_as_agent(
+        self,
+        environment: BaseEnvironment,
+        command: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_sec: int | None = None,
+    ) -> Any:
+        path = shlex.quote(str(self.runtime_dir / "bin"))
+        return await super().exec_as_agent(
+            environment,
+            f'export PATH={path}:"$PATH"; {command}',
+            # Read-only and compiled at build: no bytecode to write.
+            env={**self.runtime.env, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+            cwd=cwd,
+            timeout_sec=timeout_sec,
+        )
+
+
+class MiniSweAgent(PreparedRuntimeAgent, HarborMiniSweAgent):
+    """Harbor's mini-swe-agent, from the ``mini-swe-agent`` runtime.
+
+    Harbor's ATIF conversion drops which tool call each observation answers, so the sample
+    would show the tool results as user turns, which is not what the policy saw; the ids are
+    put back from mini-swe-agent's own trajectory.
+    """
+
+    def populate_context_post_run(self, context: AgentContext) -> None:
+        super().populate_context_post_run(context)
+        atif, native = self.logs_dir / "trajectory.json", self._mini_swe_agent_trajectory_path
+        try:
+            trajectory = Trajectory.model_validate_json(atif.read_text())
+            messages = json.loads((self.logs_dir / native.name).read_text())["messages"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # no trajectory to mend (Harbor logged why)
+        answers = [
+            (m.get("content"), str(m["tool_call_id"]))
+            for m in messages
+            if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id")
+        ]
+        if link_tool_results(trajectory, answers):
+            atif.write_text(json.dumps(trajectory.to_json_dict(), indent=2))
+
+
+def link_tool_results(trajectory: Trajectory, answers: list[tuple[Any, str]]) -> bool:
+    """Give each observation its tool call's id: ``answers`` are the tool messages' (content,
+    tool_call_id) in order, matched to the results in order by content (results from other
+    turns, such as format-error feedback, keep none). True if any id was set."""
+    pending = iter(answers)
+    want = next(pending, None)
+    changed = False
+    for step in trajectory.steps:
+        ids = {call.tool_call_id for call in step.tool_calls or []}
+        for result in step.observation.results if step.observation else []:
+            if want is None:
+                return changed
+            if result.source_call_id is None and result.content == want[0] and want[1] in ids:
+                result.source_call_id = want[1]
+                changed = True
+                want = next(pending, None)
+    return changed

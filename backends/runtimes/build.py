@@ -1,0 +1,175 @@
+"""Prepared agent runtimes: built once on the host, cached, bound read-only into sandboxes.
+
+A runtime lives in ``$BACKENDS_CACHE/runtimes/<name>-<key>/``:
+
+    venv/           the tool and its packages (relocatable: built in a stage, then moved)
+    bin/            links to the recipe's commands only, for the agent's PATH (the venv's own
+                    python, pip, ... stay off it, so the agent's shell keeps the image's)
+    .complete       the ``RuntimeManifest``, written last: a runtime with one is finished
+
+The key hashes the recipe and the host's Python and platform, so the same recipe finds the
+same runtime. Builders take the entry's lock exclusively (one builds, in this process or any
+other; the others wait and find it built); users hold it shared for as long as they bind it,
+so ``backends bundle prune`` (the cache's one pruner) never removes a runtime in use.
+Before a runtime counts as built, its ``check`` runs in a sandbox with no network that sees it
+read-only, as every trial will: a runtime that cannot run offline fails here, before any
+trial's sandbox starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+
+from backends.bundle import cache
+from backends.bundle.build import BundleError
+from backends.runtimes.recipes import Recipe, RuntimeBuildError
+from backends.sandbox.settings import cache_dir
+
+MANIFEST = cache.COMPLETE  # the RuntimeManifest
+CHECK_IMAGE = "debian:12"  # the check's sandbox: the local base image
+
+
+class RuntimeManifest(BaseModel):
+    """What a built runtime holds; the agent reads it on the host to know its commands."""
+
+    name: str
+    kind: str
+    key: str
+    packages: dict[str, str]  # every installed package's version
+    version: str | None  # the agent's own version (its ``version_of`` package)
+    commands: list[str]
+    env: dict[str, str]
+    size_bytes: int
+    build_sec: float
+
+    @classmethod
+    def load(cls, runtime_dir: Path | str) -> RuntimeManifest:
+        path = Path(runtime_dir) / MANIFEST
+        try:
+            return cls.model_validate_json(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeBuildError(f"{runtime_dir} is not a built agent runtime: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A built runtime, held (the cache does not prune it) until ``release()``."""
+
+    path: Path
+    manifest: RuntimeManifest
+    hold: cache.Hold | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.path / "bin"
+
+    def release(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+
+    def binds(self) -> list[dict[str, Any]]:
+        """LocalSandbox ``extra_binds`` showing the runtime read-only, at its own path."""
+        return [{"source": str(self.path), "target": str(self.path), "read_only": True}]
+
+    def sandbox_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """LocalSandbox kwargs with the runtime and the host's Python (its venv's) bound in."""
+        binds = kwargs.get("extra_binds") or []
+        if isinstance(binds, str):
+            binds = [b for b in binds.split(",") if b]
+        return {**kwargs, "extra_binds": [*binds, *self.binds()], "host_python": True}
+
+
+def runtimes_dir() -> Path:
+    return cache_dir() / "runtimes"
+
+
+def runtime_key(recipe: Recipe) -> str:
+    return hashlib.sha256(f"runtime-v1\0{recipe.identity()}".encode()).hexdigest()[:24]
+
+
+async def ensure_runtime(recipe: Recipe, *, root: Path | None = None) -> Runtime:
+    """``recipe``'s runtime, built first if this host has none yet (a one-time cost).
+
+    Concurrent callers, in this process or others, build once. Raises ``RuntimeBuildError``
+    naming what failed: the package index refused a package, a command is missing, or the
+    check failed in the sandbox. The runtime comes held.
+    """
+    root = root or runtimes_dir()
+    path = root / f"{recipe.name}-{runtime_key(recipe)}"
+    held = await cache.hold_built(path, lambda: _build(recipe, path))
+    return Runtime(path, RuntimeManifest.load(path), held)
+
+
+async def _build(recipe: Recipe, path: Path) -> None:
+    started = time.monotonic()
+    stage = await anyio.to_thread.run_sync(_new_stage, path)
+    try:
+        packages = await recipe.install(stage)
+        await check_runtime(recipe, stage, path)
+        manifest = RuntimeManifest(
+            name=recipe.name,
+            kind=recipe.kind,
+            key=path.name,
+            packages=packages,
+            version=packages.get(recipe.version_of),
+            commands=list(recipe.commands),
+            env=dict(recipe.env),
+            size_bytes=0,
+            build_sec=round(time.monotonic() - started, 3),
+        )
+        await anyio.to_thread.run_sync(_finish, stage, path, manifest)
+    finally:
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(stage, ignore_errors=True))
+
+
+def _new_stage(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # only a finished build is renamed here; anything else is debris
+        shutil.rmtree(path)
+    stage = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    stage.mkdir()
+    return stage
+
+
+def _finish(stage: Path, path: Path, manifest: RuntimeManifest) -> None:
+    """Record the runtime's size and manifest, then show it at ``path`` at once."""
+    manifest.size_bytes = cache.disk_size(stage)
+    (stage / cache.SIZE_FILE).write_text(str(manifest.size_bytes))
+    (stage / MANIFEST).write_text(manifest.model_dump_json(indent=2))
+    stage.chmod(0o755)  # sandbox users (any uid) read it
+    os.rename(stage, path)
+
+
+async def check_runtime(recipe: Recipe, stage: Path, path: Path) -> None:
+    """Run the recipe's check offline in a sandbox that sees ``stage`` read-only at ``path``."""
+    from backends.bundle.environment import run_in_sandbox
+
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in recipe.env.items())
+    script = (
+        f'export PATH={shlex.quote(str(path / "bin"))}:"$PATH" PYTHONDONTWRITEBYTECODE=1 {exports}; '
+        f"{recipe.check}"
+    )
+    with tempfile.TemporaryDirectory(prefix="runtime-check-") as empty:
+        try:
+            await run_in_sandbox(
+                Path(empty),
+                CHECK_IMAGE,
+                [{"source": str(stage), "target": str(path), "read_only": True}],
+                script,
+                name=f"runtime-check-{recipe.name}"[:40],
+                what=f"checking the {recipe.name} runtime offline in a sandbox ({recipe.check!r})",
+            )
+        except BundleError as exc:
+            raise RuntimeBuildError(str(exc)) from exc

@@ -1,0 +1,323 @@
+"""Agent runtimes: Harbor's mini-swe-agent (its own class, its install replaced by a runtime
+prepared once on the host) solving tasks offline through the relay, against the scripted
+policy; and the runtime cache (one build, held while used, pruned when not, bad recipes refused
+before any trial's sandbox starts).
+
+The first test to need the mini-swe-agent runtime builds it from the package index (a one-time
+cost on a fresh machine, about a minute); later runs find it in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from harbor.models.trial.config import EnvironmentConfig
+from harbor.utils.trajectory_validator import validate_trajectory
+
+from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
+from backends.bundle import cache
+from backends.relay import Relay, Script, ScriptedPolicy
+from backends.relayed import RelayedBackend
+from backends.rollout.loading import load_object
+from backends.runtimes import (
+    RUNTIMES,
+    PythonRuntime,
+    RuntimeBuildError,
+    ensure_runtime,
+    runtime_for,
+)
+from backends.runtimes.agents import MiniSweAgent
+from backends.trajectory.save import trajectory_of
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).parents[1]
+TASKS = ROOT / "tasks" / "harbor"
+TEMPLATES = ROOT / "tasks" / "harbor-templates"
+SCRIPT = TEMPLATES / "mini-swe-agent.json"
+UPSTREAM_KEY = "sk-upstream-" + uuid.uuid4().hex
+ExactAnswer = load_object(f"{ROOT}/tasks/rollouts/harbor/main.py:ExactAnswer")
+OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
+
+
+def spying_script() -> Script:
+    """The repository's script, except that the agent's first command also saves the
+    environment it was given where the host collects artifacts."""
+    data = json.loads(SCRIPT.read_text())
+    for rule in data["rules"]:
+        call = rule["turns"][0]["tool_calls"][0]["arguments"]
+        call["command"] = "env > /logs/artifacts/env.txt; " + call["command"]
+    return Script.model_validate(data)
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[Relay]:
+    async with (
+        ScriptedPolicy(spying_script()) as policy,
+        Relay(
+            upstream_url=policy.base_url,
+            upstream_api_key=UPSTREAM_KEY,
+            unix_socket_path=tmp_path / "relay.sock",
+            request_token_ids=True,
+        ) as relay,
+    ):
+        yield relay
+
+
+def mini(tmp_path: Path, **kwargs: Any) -> HarborBackend:
+    return HarborBackend(
+        agent="mini-swe-agent",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+        environment_config=OFFLINE,
+        cleanup_successful_trials=False,
+        **kwargs,
+    )
+
+
+def check_solved(result: Any, tmp_path: Path) -> None:
+    """Reward 1, every model call through the relay, a valid ATIF trajectory of those calls,
+    and a sandbox that saw the relay's forwarder and the rollout's token, never the upstream."""
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0, result.sample
+    trace = result.policy_trace
+    assert trace is not None and len(trace.calls) == 2  # the command, then the submission
+    assert all(call.status == 200 for call in trace.calls)
+    sample = result.sample
+    sample_calls = [
+        json.loads(call["function"]["arguments"])["command"]
+        for m in sample.messages
+        if m["role"] == "assistant"
+        for call in m.get("tool_calls", [])
+    ]
+    relayed = [
+        json.loads(call["function"]["arguments"])["command"]
+        for c in trace.calls
+        for call in c.choices[0].message["tool_calls"]
+    ]
+    assert sample_calls == relayed  # the sample is what the policy said, through the relay
+    # The observation came back as the answer to its tool call, as the policy saw it.
+    ids = [c["id"] for m in sample.messages if m["role"] == "assistant" for c in m["tool_calls"]]
+    tools = [m for m in sample.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tools] == ids[:1] and '"returncode": 0' in tools[0][
+        "content"
+    ]
+    assert [m["role"] for m in sample.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    trajectory = trajectory_of(result)
+    assert trajectory is not None
+    assert validate_trajectory(trajectory.to_json_dict())
+    assert [s for s in trajectory.steps if s.source == "agent" and s.tool_calls]
+    seen = tmp_path / "out" / result.rollout_id / "artifacts" / "logs" / "artifacts" / "env.txt"
+    env = seen.read_text()
+    assert f"OPENAI_BASE_URL=http://127.0.0.1:18080/rollouts/{result.rollout_id}/v1" in env
+    assert UPSTREAM_KEY not in env
+    trial = tmp_path / "trials"
+    written = "".join(p.read_text(errors="replace") for p in trial.rglob("*") if p.is_file())
+    assert UPSTREAM_KEY not in written
+
+
+@pytest.mark.sandbox
+async def test_mini_swe_agent_solves_a_dataset_task_offline(
+    tmp_path: Path, relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keys in the host's environment (where Harbor's agent looks for credentials) stay there.
+    for name in ("OPENAI_API_KEY", "MSWEA_API_KEY", "ANTHROPIC_API_KEY"):
+        monkeypatch.setenv(name, UPSTREAM_KEY)
+    backend = mini(tmp_path, tasks_dir=TASKS, task_mode="dataset")
+    request = RolloutRequest(
+        rollout_id="mini-sum", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    )
+    started = time.monotonic()
+    await RelayedBackend(backend, relay).start()
+    prepared = time.monotonic() - started
+    started = time.monotonic()
+    [result] = await collect(RelayedBackend(backend, relay), [request])
+    trial_sec = time.monotonic() - started
+    await backend.aclose()
+    check_solved(result, tmp_path)
+    assert result.sample.metrics["harbor.agent_sec"] > 0
+    # What a trial costs, once the runtime is built (see the report for measured figures).
+    print(f"runtime ready in {prepared:.1f} s; one trial {trial_sec:.1f} s, "
+          f"agent {result.sample.metrics['harbor.agent_sec']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.sandbox
+async def test_mini_swe_agent_in_template_mode_with_a_host_grader(
+    tmp_path: Path, relay: Relay
+) -> None:
+    backend = mini(
+        tmp_path, tasks_dir=TEMPLATES / "arithmetic-graded", grader=ExactAnswer, max_concurrent=2
+    )
+    requests = [
+        RolloutRequest(rollout_id="mini-mul", prompt=[{"role": "user", "content": "What is 6 * 7?"}], label="42"),
+        RolloutRequest(rollout_id="mini-add", prompt=[{"role": "user", "content": "What is 40 + 2?"}], label="42"),
+    ]  # fmt: skip
+    results = await collect(RelayedBackend(backend, relay), requests)
+    await backend.aclose()
+    for result in results:
+        check_solved(result, tmp_path)
+        answer = tmp_path / "out" / result.rollout_id / "artifacts" / "app" / "answer.txt"
+        assert answer.read_text() == "42\n"
+
+
+# -- the runtime cache, with recipes small enough to build in seconds ---------------------------
+
+
+@dataclass(frozen=True)
+class ScriptRuntime:
+    """A recipe kind of its own: one shell tool, no index. Counts its builds."""
+
+    name: str = "script-tool"
+    agent_class: str = "backends.runtimes.agents:MiniSweAgent"
+    commands: tuple[str, ...] = ("hello",)
+    env: dict[str, str] = field(default_factory=dict)
+    check: str = "hello"
+    version_of: str = "hello"
+    builds: list[float] = field(default_factory=list, compare=False)
+    tag: str = "1"
+
+    @property
+    def kind(self) -> str:
+        return "script"
+
+    def identity(self) -> str:
+        return f"{self.name}\0{self.check}\0{self.tag}"
+
+    async def install(self, stage: Path) -> dict[str, str]:
+        self.builds.append(time.monotonic())
+        await anyio.sleep(0.2)  # long enough for a second builder to arrive meanwhile
+        (stage / "bin").mkdir()
+        tool = stage / "bin" / "hello"
+        tool.write_text("#!/bin/sh\necho hello\n")
+        tool.chmod(0o755)
+        return {"hello": "1.0"}
+
+
+@pytest.mark.sandbox
+async def test_a_runtime_is_built_once_held_while_used_and_pruned_after(tmp_path: Path) -> None:
+    recipe = ScriptRuntime(tag=uuid.uuid4().hex)
+    root = tmp_path / "cache"
+    async with anyio.create_task_group() as tg:
+        got: list[Any] = []
+
+        async def one() -> None:
+            got.append(await ensure_runtime(recipe, root=root / "runtimes"))
+
+        for _ in range(3):
+            tg.start_soon(one)
+    assert len(recipe.builds) == 1  # three callers, one build (the others waited for it)
+    assert len({r.path for r in got}) == 1
+    runtime = got[0]
+    assert runtime.manifest.version == "1.0" and runtime.manifest.commands == ["hello"]
+    again = await ensure_runtime(recipe, root=root / "runtimes")
+    assert again.path == runtime.path and len(recipe.builds) == 1  # found, not rebuilt
+    # Held: the cache's pruner keeps it and says so; released, it goes.
+    report = cache.prune(everything=True, root=root)
+    assert [e.path for e in report.in_use] == [runtime.path] and runtime.path.is_dir()
+    for r in [*got, again]:
+        r.release()
+    report = cache.prune(everything=True, root=root)
+    assert [e.kind for e in report.removed] == ["runtime"] and not runtime.path.exists()
+
+
+@pytest.mark.sandbox
+async def test_a_runtime_whose_check_fails_offline_is_refused(tmp_path: Path) -> None:
+    recipe = ScriptRuntime(check="hello && exit 3", tag=uuid.uuid4().hex)
+    with pytest.raises(RuntimeBuildError, match=r"checking the script-tool runtime.*exit 3"):
+        await ensure_runtime(recipe, root=tmp_path / "runtimes")
+    assert not [p for p in (tmp_path / "runtimes").iterdir() if not p.name.endswith(".lock")]
+
+
+async def test_a_package_the_index_does_not_have_is_refused(tmp_path: Path) -> None:
+    recipe = PythonRuntime(
+        name="broken",
+        agent_class="backends.runtimes.agents:MiniSweAgent",
+        packages=(f"no-such-package-{uuid.uuid4().hex[:12]}==1.0",),
+        commands=("broken",),
+        check="true",
+        version_of="broken",
+    )
+    with pytest.raises(RuntimeBuildError, match=r"installing no-such-package-\w+==1.0 .*failed"):
+        await ensure_runtime(recipe, root=tmp_path / "runtimes")
+
+
+async def test_a_recipe_whose_command_is_not_installed_is_refused(tmp_path: Path) -> None:
+    recipe = PythonRuntime(
+        name="no-tool",
+        agent_class="backends.runtimes.agents:MiniSweAgent",
+        packages=("six",),  # installs, but has no command of that name
+        commands=("no-such-tool",),
+        check="true",
+        version_of="six",
+    )
+    with pytest.raises(RuntimeBuildError, match=r"no 'no-such-tool' command after installing six"):
+        await ensure_runtime(recipe, root=tmp_path / "runtimes")
+
+
+@pytest.mark.sandbox
+async def test_a_bad_runtime_fails_the_start_before_any_rollout(
+    tmp_path: Path, relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = ScriptRuntime(check="exit 7", tag=uuid.uuid4().hex)
+    monkeypatch.setitem(RUNTIMES, "mini-swe-agent", broken)  # type: ignore[arg-type]
+    backend = mini(tmp_path, tasks_dir=TASKS, task_mode="dataset")
+    request = RolloutRequest(
+        rollout_id="never", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    )
+    with pytest.raises(RuntimeBuildError, match=r"script-tool runtime.*exit 7"):
+        await collect(RelayedBackend(backend, relay), [request])
+    assert not (tmp_path / "trials").exists() or not any((tmp_path / "trials").iterdir())
+
+
+def test_runtime_agents_are_local_only_and_started_by_the_backend(tmp_path: Path) -> None:
+    assert runtime_for("mini-swe-agent") is RUNTIMES["mini-swe-agent"]
+    assert runtime_for("terminus-2") is None
+    backend = HarborBackend(tasks_dir=TASKS, task_mode="dataset", agent="mini-swe-agent")
+    assert backend.agent.name == "mini-swe-agent" and backend.agent.runtime == "mini-swe-agent"
+    assert backend.agent.harbor_config()["import_path"] == "backends.runtimes.agents:MiniSweAgent"
+    with pytest.raises(ValueError, match=r"prepared on this host.*local sandboxes"):
+        HarborBackend(
+            tasks_dir=TASKS, task_mode="dataset", agent="mini-swe-agent", environment="skypilot"
+        )
+    # Harbor's own class, by import path, installs itself as Harbor does (needs network).
+    own = HarborBackend(
+        tasks_dir=TASKS,
+        task_mode="dataset",
+        agent="harbor.agents.installed.mini_swe_agent:MiniSweAgent",
+    )
+    assert own.agent.runtime is None
+    with pytest.raises(ValueError, match="runs from a prepared runtime"):
+        MiniSweAgent(logs_dir=tmp_path, model_name="openai/policy")
+
+
+@pytest.mark.sandbox
+def test_backends_run_drives_mini_swe_agent_with_a_policy_script(tmp_path: Path) -> None:
+    """The command line, as a user runs it: one Harbor task, mini-swe-agent, the embedded
+    scripted policy playing the repository's script, through the relay."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "backends.cli", "run", "-p", str(TASKS / "workdir-copy"),
+         "-a", "mini-swe-agent", "--policy-script", str(SCRIPT), "-o", str(tmp_path / "run")],
+        cwd=ROOT, env={**os.environ, "BACKENDS_HOME": str(tmp_path / "home")},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == 2, summary
