@@ -388,3 +388,54 @@ def test_backends_runtime_build_and_list(tmp_path: Path) -> None:
     assert listed.returncode == 0 and manifest["path"] in listed.stdout
     unknown = cli("build", "no-such-agent")
     assert unknown.returncode == 2 and "no runtime recipe for no-such-agent" in unknown.stderr
+
+
+def test_tool_results_are_linked_only_from_a_well_formed_native_trajectory(
+    tmp_path: Path,
+) -> None:
+    """The agent's own trajectory comes from the sandbox: ids of the wrong type or for no call
+    of the step are not taken; a well-formed one links each result to its call, by content."""
+    from harbor.models.agent.context import AgentContext
+    from harbor.models.trajectories import Trajectory
+
+    from backends.runtimes.build import RuntimeManifest
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    manifest = RuntimeManifest(
+        name="mini-swe-agent", kind="python", key="k", packages={}, version="2.4.6",
+        commands=["mini-swe-agent"], env={}, size_bytes=0, build_sec=0.0,
+    )  # fmt: skip
+    (runtime / ".complete").write_text(manifest.model_dump_json())
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    agent = MiniSweAgent(logs_dir=logs, model_name="openai/policy", runtime_dir=str(runtime))
+    call = {"id": "call_0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+    native = {
+        "info": {},
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "task"},
+            {"role": "assistant", "content": "run it", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "out"},
+            {"role": "user", "content": "format error: try again"},
+        ],
+    }
+    path = logs / "mini-swe-agent.trajectory.json"
+    agent.populate_context_post_run(AgentContext())  # none written: nothing to do
+    # Ids of the wrong type, or answering no call of the step, are not taken.
+    bad = json.loads(json.dumps(native))
+    bad["messages"][3]["tool_call_id"] = 7
+    bad["messages"].insert(4, {"role": "tool", "tool_call_id": "call_9", "content": "out"})
+    path.write_text(json.dumps(bad))
+    agent.populate_context_post_run(AgentContext())
+    trajectory = Trajectory.model_validate_json((logs / "trajectory.json").read_text())
+    assert not [r.source_call_id for s in trajectory.steps if s.observation
+                for r in s.observation.results if r.source_call_id]  # fmt: skip
+    path.write_text(json.dumps(native))
+    agent.populate_context_post_run(AgentContext())
+    trajectory = Trajectory.model_validate_json((logs / "trajectory.json").read_text())
+    [step] = [s for s in trajectory.steps if s.source == "agent"]
+    assert step.observation is not None
+    results = [(r.content, r.source_call_id) for r in step.observation.results]
+    assert results == [("out", "call_0"), ("format error: try again", None)]

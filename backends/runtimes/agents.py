@@ -104,10 +104,13 @@ class MiniSweAgent(PreparedRuntimeAgent, HarborMiniSweAgent):
             messages = json.loads((self.logs_dir / native.name).read_text())["messages"]
         except (OSError, ValueError, KeyError, TypeError):
             return  # no trajectory to mend (Harbor logged why)
+        # The sandbox wrote that file: take from it only what has the expected shape.
         answers = [
-            (m.get("content"), str(m["tool_call_id"]))
-            for m in messages
-            if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id")
+            (m.get("content"), m["tool_call_id"])
+            for m in (messages if isinstance(messages, list) else [])
+            if isinstance(m, dict)
+            and m.get("role") == "tool"
+            and isinstance(m.get("tool_call_id"), str)
         ]
         if link_tool_results(trajectory, answers):
             atif.write_text(json.dumps(trajectory.to_json_dict(), indent=2))
