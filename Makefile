@@ -6,12 +6,24 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Real agents, pinned, for the tests that run them offline in sandboxes through the relay (each
+# npm package ships a native binary): Codex speaks Responses, Claude Code Anthropic Messages.
+# tests/test_relay_agents.py names the same folder.
+AGENTS := $(VENV)/agents/codex-0.171.0+claude-code-2.1.197
+AGENT_PACKAGES := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197
 
 .PHONY: setup run test lint bench
 
 # The base root filesystem of local sandboxes is built once (about a minute), then cached.
-setup: $(STAMP)
+setup: $(STAMP) $(AGENTS)
 	$(PY) -m backends.sandbox.rootfs
+
+$(AGENTS):
+	@command -v npm >/dev/null || { apt-get update -q \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends npm; }
+	rm -rf $(AGENTS).part
+	npm install -q --no-audit --no-fund --prefix $(AGENTS).part $(AGENT_PACKAGES)
+	mv $(AGENTS).part $(AGENTS)
 
 $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null && command -v debootstrap >/dev/null && command -v socat >/dev/null \

@@ -329,3 +329,15 @@ class SurvivorSandbox(LocalSandbox):
     async def end_processes(self) -> bool:
         await super().end_processes()
         return False
+
+
+class FillsVerifierDir(_ShellAgent):
+    """Leaves a tree in /logs/verifier deeper than any download may be."""
+
+    script = "cd /logs/verifier && for i in $(seq 300); do mkdir d && cd d; done"
+
+
+class BlocksTestsDir(_ShellAgent):
+    """Leaves a file where the tests are uploaded."""
+
+    script = "rm -rf /tests; echo x > /tests"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from harbor.models.trial.config import EnvironmentConfig
 from harbor_support import write_task
 
 from backends import (
@@ -62,10 +63,12 @@ async def test_harbors_scrub_never_reads_a_huge_file_the_sandbox_left(tmp_path: 
 async def test_a_stalled_transfer_costs_no_more_than_its_phases_timeout(tmp_path: Path) -> None:
     """The agent makes `tar` hang: the agent-log download and the tests' upload each stall.
     Each gives up after its phase's timeout (3 s here), not the transfers' own half hour,
-    and the rollout is a timeout, not a reward and not a retried infrastructure failure."""
+    and the rollout is a timeout, not a reward and not a retried infrastructure failure.
+    (Files cross by `tar` inside here: the host's own path runs nothing an agent replaces.)"""
     write_task(tmp_path / "tasks", "stall", test="echo 1 > /logs/verifier/reward.txt")
     b = HarborBackend(
         agent="harbor_support:StallsTransfers",
+        environment_config=EnvironmentConfig(kwargs={"host_transfers": False}),
         tasks_dir=tmp_path / "tasks",
         task_mode="dataset",
         trials_dir=tmp_path / "trials",
@@ -147,3 +150,47 @@ async def test_an_agent_cannot_end_its_sandbox_to_escape_its_reward(
     [result] = await collect(b, [request("end", "t")])
     assert result.status is RolloutStatus.SUCCESS and result.reward == 0.0, result.failure
     assert result.extra_fields["harbor"]["attempt"] == 1
+
+
+@pytest.mark.parametrize("agent", ["FillsVerifierDir", "BlocksTestsDir"])
+async def test_what_the_agent_leaves_in_the_graders_way_gives_its_reward_not_a_retry(
+    tmp_path: Path, agent: str
+) -> None:
+    """Grading starts from an empty /tests and /logs/verifier, whatever the agent left there:
+    a file at /tests or a tree too deep to download would fail the tests' upload or the
+    verifier's download, which Harbor takes for the sandbox's failure (retried)."""
+    write_task(tmp_path / "tasks", "t", test="echo 0 > /logs/verifier/reward.txt")
+    b = HarborBackend(
+        agent=f"harbor_support:{agent}",
+        tasks_dir=tmp_path / "tasks",
+        task_mode="dataset",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+    )
+    await b.start()
+    request = RolloutRequest(rollout_id=agent, prompt=[], metadata={"harbor_task_id": "t"})
+    [result] = await collect(b, [request])
+    assert result.failure is None and result.reward == 0.0, result.failure
+
+
+async def test_tests_that_leave_an_undownloadable_tree_are_a_verifier_error_not_a_retry(
+    tmp_path: Path,
+) -> None:
+    write_task(
+        tmp_path / "tasks",
+        "t",
+        test="echo 1 > /logs/verifier/reward.txt; cd /logs/verifier && "
+        "for i in $(seq 300); do mkdir d && cd d; done",
+    )
+    b = HarborBackend(
+        agent="oracle",
+        tasks_dir=tmp_path / "tasks",
+        task_mode="dataset",
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+    )
+    await b.start()
+    request = RolloutRequest(rollout_id="deep", prompt=[], metadata={"harbor_task_id": "t"})
+    [result] = await collect(b, [request])
+    assert result.failure is not None and result.reward is None, result
+    assert result.failure.category == "verifier_error" and not result.failure.retryable

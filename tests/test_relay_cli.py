@@ -62,6 +62,7 @@ async def test_standalone_relay_and_scripted_policy(tmp_path: Path) -> None:
             "--upstream", f"http://127.0.0.1:{policy_port}/v1",
             "--port", str(relay_port),
             "--unix-socket", str(sock),
+            "--upstream-speaks", "messages",
         ],
         env=env,
         stdout=log,
@@ -84,12 +85,23 @@ async def test_standalone_relay_and_scripted_policy(tmp_path: Path) -> None:
             ) as r:
                 answer = await r.json()
                 assert "sk-cli-upstream-key" not in str(r.headers) + str(answer)
+            # The upstream speaks Messages itself (--upstream-speaks): forwarded as is.
+            async with http.post(
+                "http://sandbox" + grant["path"] + "/messages",
+                json={"max_tokens": 9, **question},
+                headers={"x-api-key": grant["token"], "anthropic-version": "2023-06-01"},
+            ) as r:
+                message = await r.json()
         assert answer["choices"][0]["message"]["content"] == "42"
         assert answer["model"] == "scripted:default"
+        assert message["content"] == [{"type": "text", "text": "42"}]
         async with aiohttp.ClientSession() as http:
             async with http.delete(url + "/demo", headers=admin) as r:
                 trace = await r.json()
-        assert [c["status"] for c in trace["calls"]] == [200]
+        assert [(c["status"], c["upstream_api"]) for c in trace["calls"]] == [
+            (200, "chat.completions"),
+            (200, "messages"),
+        ]
     finally:
         for process in (relay, policy):
             process.send_signal(signal.SIGINT)
@@ -98,3 +110,13 @@ async def test_standalone_relay_and_scripted_policy(tmp_path: Path) -> None:
         log.close()
     assert b"relay listening on" in (tmp_path / "relay.log").read_bytes()
     assert not sock.exists()
+
+
+def test_an_unknown_upstream_format_is_a_usage_error() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", RUN, "relay", "--upstream", "http://127.0.0.1:9/v1",
+         "--upstream-speaks", "telepathy"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "'responses' or 'messages'" in run.stderr

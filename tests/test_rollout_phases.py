@@ -409,7 +409,10 @@ async def test_the_backend_gets_a_typed_route_and_the_result_a_typed_trace(
     assert route.api_key == seen.api_key and UPSTREAM_KEY not in seen.model_dump_json()
     assert route.sandbox_base_url(18080) == "http://127.0.0.1:18080/rollouts/r1/v1"
     assert route.sandbox_base_url() == "https://relay.example:8443/rollouts/r1/v1"
-    assert route.environment(route.sandbox_base_url(18080))["OPENAI_API_KEY"] == route.api_key
+    env = route.environment(route.sandbox_base_url(18080))
+    assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == route.api_key
+    # Anthropic clients (Claude Code) reach the same route's /v1/messages.
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:18080/rollouts/r1"
     # The route never leaves the process: not in the request's JSON, not in its repr.
     assert "policy_route" not in seen.model_dump_json() and "policy_route" not in repr(seen)
     assert route.api_key not in repr(route)

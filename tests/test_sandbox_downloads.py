@@ -17,6 +17,7 @@ from harbor.environments.base import BaseEnvironment
 from sky_support import fake_sky_server
 from test_sandbox_escapes import (
     PATH_MAX_ARCHIVE,
+    TAR_ONLY,
     env,
     fake_tar,
     host_dir,
@@ -42,14 +43,21 @@ def fake_sky() -> Iterator[dict[str, str]]:
         yield env
 
 
-@pytest.fixture(params=PROVIDERS, ids=lambda p: p.name)
+# Each provider; the local one with files moved by the host, and by `tar` inside.
+ANY = ["local-sandbox", "local-sandbox-tar", "skypilot"]
+
+
+@pytest.fixture(params=ANY)
 async def any_env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BaseEnvironment]:
     """A sandbox of each provider (SkyPilot over the fake API server, whose pods are local
     sandboxes), with an 8 MiB download limit."""
-    provider: Provider = request.param
+    provider: Provider = next(p for p in PROVIDERS if request.param.startswith(p.name))
+    kwargs: dict[str, object] = {"max_download_bytes": 8 * MiB}
     if provider.name == "skypilot":
         request.getfixturevalue("fake_sky")
-    sandbox = provider.make(tmp_path, kwargs={"max_download_bytes": 8 * MiB})
+    else:
+        kwargs["host_transfers"] = not request.param.endswith("-tar")
+    sandbox = provider.make(tmp_path, kwargs=kwargs)
     await sandbox.start(force_build=False)
     try:
         yield sandbox
@@ -79,6 +87,7 @@ async def _download(env: BaseEnvironment, how: str, out: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["exclusions", "filtered"])
+@pytest.mark.parametrize("any_env", ["local-sandbox-tar", "skypilot"], indirect=True)
 async def test_a_crafted_archive_writes_nothing_outside(
     any_env: BaseEnvironment, tmp_path: Path, host_dir: Path, how: str
 ) -> None:
@@ -201,6 +210,7 @@ with tarfile.open("/deep.tar", "w", format=tarfile.PAX_FORMAT) as tar:
 """
 
 
+@TAR_ONLY
 async def test_a_tree_deeper_than_the_limit_is_refused_by_name(
     env: BaseEnvironment, tmp_path: Path
 ) -> None:
@@ -212,6 +222,7 @@ async def test_a_tree_deeper_than_the_limit_is_refused_by_name(
     assert os.listdir(out) == []
 
 
+@TAR_ONLY
 async def test_a_file_changing_while_read_does_not_fail_the_download(
     env: BaseEnvironment, tmp_path: Path
 ) -> None:

@@ -29,9 +29,16 @@ LOCAL = PROVIDERS[0]
 MiB = 1024 * 1024
 
 
-@pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[BaseEnvironment]:
-    sandbox = LOCAL.make(tmp_path, kwargs={"max_download_bytes": 8 * MiB})
+# Files cross either way: by the host through the sandbox's root, or by `tar` inside.
+TRANSFERS = ["host", "tar"]
+# For tests of what a hostile `tar` inside can do to the host: only that path runs it.
+TAR_ONLY = pytest.mark.parametrize("env", ["tar"], indirect=True)
+
+
+@pytest.fixture(params=TRANSFERS)
+async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BaseEnvironment]:
+    kwargs = {"max_download_bytes": 8 * MiB, "host_transfers": request.param == "host"}
+    sandbox = LOCAL.make(tmp_path, kwargs=kwargs)
     await sandbox.start(force_build=False)
     try:
         yield sandbox
@@ -51,6 +58,7 @@ async def run_python(env: BaseEnvironment, tmp_path: Path, source: str, *args: s
 
 async def fake_tar(env: BaseEnvironment, body: str) -> None:
     """Root inside decides what `tar` is: put a script first on the PATH."""
+    assert not getattr(env, "host_transfers", False), "a fake tar needs the tar path (TAR_ONLY)"
     res = await env.exec(
         f"printf '%s' {_sh_quote(body)} > /usr/local/sbin/tar && chmod +x /usr/local/sbin/tar"
     )
@@ -105,6 +113,7 @@ with tarfile.open("/crafted.tar", "w") as tar:
 """
 
 
+@TAR_ONLY
 async def test_a_crafted_archive_past_path_max_writes_nothing_outside(
     env: BaseEnvironment, tmp_path: Path, host_dir: Path
 ) -> None:
@@ -122,6 +131,7 @@ async def test_a_crafted_archive_past_path_max_writes_nothing_outside(
     assert not (out / "escape").is_symlink()
 
 
+@TAR_ONLY
 async def test_a_daemon_holding_the_download_pipe_cannot_write_past_the_cap(
     env: BaseEnvironment, tmp_path: Path
 ) -> None:
@@ -170,6 +180,7 @@ socket.send_fds(s, [b"x"], [1])
     assert not (tmp_path / "got").exists()
 
 
+@TAR_ONLY
 async def test_the_upload_archive_reaches_the_sandbox_read_only(
     env: BaseEnvironment, tmp_path: Path
 ) -> None:
@@ -607,6 +618,7 @@ async def _crafted_download(env: BaseEnvironment, tmp_path: Path, kind: str, out
     await env.download_dir("/logs/verifier", out)
 
 
+@TAR_ONLY
 async def test_crafted_headers_links_and_relinks_are_refused(
     env: BaseEnvironment, tmp_path: Path, host_dir: Path
 ) -> None:
@@ -622,7 +634,7 @@ async def test_crafted_headers_links_and_relinks_are_refused(
 
 
 async def test_a_header_bomb_is_refused(tmp_path: Path) -> None:
-    env = LOCAL.make(tmp_path, kwargs={"max_download_bytes": 64 * MiB})
+    env = LOCAL.make(tmp_path, kwargs={"max_download_bytes": 64 * MiB, "host_transfers": False})
     await env.start(force_build=False)
     try:
         with pytest.raises(SandboxPathError, match="header larger than 8 MiB"):

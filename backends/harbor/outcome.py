@@ -26,9 +26,12 @@ _SANDBOX_INFRA = frozenset(
 _SANDBOX_INVALID = frozenset(
     {"UnsupportedTaskError", "ImageError", "BaseImageNotFoundError", "UnsupportedInstructionError"}
 )
-# A download the local sandbox refused for what it held (past a size limit): the agent's or
-# the tests' own output, which a fresh sandbox would produce again, so never infrastructure.
-_REFUSED_DOWNLOAD = re.compile(r"^backends\.sandbox\.unpack\.DownloadTooLargeError:", re.M)
+# A download the sandbox's unpacker refused for what it held (past a size limit, too deep, a
+# member through a link): the agent's or the tests' own output, which a fresh sandbox would
+# produce again, so never infrastructure.
+_REFUSED_DOWNLOAD = re.compile(
+    r"^backends\.sandbox\.(unpack\.DownloadTooLargeError|errors\.SandboxPathError):", re.M
+)
 # A sandbox ended by what ran inside it (its pid 1 exited, the OOM killer): the agent's (or
 # the tests') doing, which a fresh sandbox would see again. Never a retried infra failure.
 _SANDBOX_ENDED_INSIDE = "SandboxEndedError"

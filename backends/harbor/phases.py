@@ -34,6 +34,7 @@ from harbor.models.trial.config import (
     TrialConfig,
     VerifierConfig,
 )
+from harbor.models.trial.paths import EnvironmentPaths
 from harbor.trial.hooks import TrialEvent, TrialHookEvent
 from harbor.trial.trial import Trial
 from harbor.utils.env import is_sensitive_env_key
@@ -147,6 +148,21 @@ _END_AGENT_PROCESSES = (
     "for ((i = 0; i < 50; i++)); do kill -KILL -1 2>/dev/null; left=0; "
     "for p in /proc/[0-9]*; do p=${p#/proc/}; [[ $p == 1 || $p == $$ ]] || ((left++)); done; "
     "((left == 0)) && exit 0; sleep 0.02; done; exit 1"
+)
+
+# What grading starts from, whatever the agent left there: an empty /tests for the tests'
+# upload (a file at /tests would fail it, which Harbor counts as the sandbox's failure and
+# retries) and an empty /logs/verifier (a tree too deep to download, or planted rewards).
+_GRADING_DIRS = {
+    str(EnvironmentPaths.tests_dir): 0o755,
+    str(EnvironmentPaths.verifier_dir): 0o777,
+}
+_EMPTY_GRADING_DIRS = (
+    "".join(
+        f"rm -rf -- {d} && mkdir -p -- {d} && chmod {mode:o} {d} && "
+        for d, mode in _GRADING_DIRS.items()
+    )
+    + "true"
 )
 
 
@@ -269,9 +285,14 @@ class TrialPhases(RolloutPhases):
             environment = self.trial.agent_environment
             if isinstance(environment, LocalSandbox):
                 ended = await environment.end_processes()  # from the host: no command
+                if ended:
+                    await environment.replace_dirs(_GRADING_DIRS)
             else:
                 result = await environment.exec(_END_AGENT_PROCESSES, user="root", timeout_sec=30)
                 ended = result.return_code == 0
+                if ended:  # as Harbor does between the steps of a multi-step task
+                    await environment.empty_dirs([EnvironmentPaths.verifier_dir], chmod=True)
+                    await environment.empty_dirs([EnvironmentPaths.tests_dir], chmod=False)
             # A survivor could still rewrite the reward: the verdict is not the tests'.
             self.survivors = not ended
 

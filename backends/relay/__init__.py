@@ -35,6 +35,12 @@ Errors, by what the caller gets:
       ``policy_error``); an upstream's own status passes through unchanged. A stream that
       breaks after it started ends with an SSE ``error`` event.
 
+Wire formats: besides ``/chat/completions`` the route serves OpenAI Responses (``/responses``)
+and Anthropic Messages (``/messages``; the token may come as ``x-api-key``), translated to chat
+completions upstream unless ``RelaySettings.native_apis`` names the format
+(``backends.relay.wire``). Errors then come in the agent's format; each call is traced with
+``api`` set and its choices, usage, token ids and logprobs in chat-completions form.
+
 Retries: a request the upstream cannot have processed (no connection; a pooled connection that
 closed within a few ms, or two handshake times, of the request being written: the upstream had
 closed it while idle) is retried by the relay; nothing else is, so a call an upstream dropped

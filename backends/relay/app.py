@@ -27,9 +27,9 @@ from backends.relay.http1 import (
 )
 from backends.relay.tokens import Registry, RolloutState
 from backends.relay.trace import CallError, RawCall
-from backends.relay.upstream import RelaySettings, Upstream, error_body
+from backends.relay.upstream import RelaySettings, Upstream
+from backends.relay.wire import BY_ROUTE, CHAT_WIRE, MESSAGES_WIRE, Translation, Wire, WireError
 
-CHAT = "v1/chat/completions"
 MODELS = "v1/models"
 _PREFIX = "/rollouts/"
 # Not forwarded back to the client: hop-by-hop, or recomputed by our server.
@@ -38,7 +38,9 @@ _DROP_RESPONSE = frozenset(
 )
 # Client headers worth passing upstream; everything else (the sandbox's credentials above all)
 # stays here.
-_FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"user-agent"})
+_FORWARD_REQUEST = frozenset(
+    {b"content-type", b"accept", b"user-agent", b"anthropic-version", b"anthropic-beta"}
+)
 # Statuses below 500 that OpenAI-style SDKs retry (5xx are retried too).
 _RETRIED_STATUSES = frozenset({408, 409, 429})
 _CLIENT_GONE = "the client disconnected before the answer ended; the upstream call was abandoned"
@@ -47,7 +49,12 @@ _WATCH_AFTER_S = 0.02
 
 
 class RelayApp:
-    """ASGI app serving ``/rollouts/{rollout_id}/v1/{chat/completions,models}``."""
+    """ASGI app serving ``/rollouts/{rollout_id}/v1/{chat/completions,responses,messages,models}``.
+
+    Responses and Messages calls are translated to chat completions (``backends.relay.wire``)
+    unless ``settings.native_apis`` says the upstream speaks them; every answer to the agent,
+    errors included, is in the format it spoke.
+    """
 
     def __init__(
         self,
@@ -90,10 +97,12 @@ class RelayApp:
     async def _rollout_call(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         rollout_id, _, route = path[len(_PREFIX) :].partition("/")
         method: str = scope["method"]
-        if route == CHAT:
+        wire = BY_ROUTE.get(route)
+        shape = wire or CHAT_WIRE  # errors answer in the format the agent speaks
+        if wire is not None:
             if method != "POST":
                 return await _reply_error(
-                    send, 405, f"{method} not allowed: use POST", "bad_method"
+                    send, 405, f"{method} not allowed: use POST", "bad_method", wire=wire
                 )
         elif route == MODELS:
             if method != "GET":
@@ -102,8 +111,11 @@ class RelayApp:
             return await _reply_error(
                 send,
                 404,
-                f"/{route} is not relayed: use /v1/chat/completions or /v1/models",
+                f"/{route} is not relayed: use /v1/chat/completions, /v1/responses, "
+                "/v1/messages or /v1/models",
                 "not_found",
+                # e.g. an Anthropic client's /v1/messages/count_tokens: told in its own shape
+                wire=MESSAGES_WIRE if route.startswith("v1/messages/") else CHAT_WIRE,
             )
 
         token = b""
@@ -131,20 +143,24 @@ class RelayApp:
                     f"rollout {rollout_id!r} has ended; its token is revoked",
                     "rollout_ended",
                     "authentication_error",
+                    wire=shape,
                 )
             return await _reply_error(
                 send,
                 404,
                 f"no rollout {rollout_id!r} is registered with this relay",
                 "unknown_rollout",
+                wire=shape,
             )
         if not token:
+            how = "x-api-key" if wire is MESSAGES_WIRE else "Authorization: Bearer"
             return await _reply_error(
                 send,
                 401,
-                "missing token: send 'Authorization: Bearer <rollout token>'",
+                f"missing token: send '{how} <rollout token>'",
                 "missing_token",
                 "authentication_error",
+                wire=shape,
             )
         if not hmac.compare_digest(token, state.token):
             return await _reply_error(
@@ -153,11 +169,12 @@ class RelayApp:
                 f"this token is not valid for rollout {rollout_id!r}",
                 "invalid_token",
                 "authentication_error",
+                wire=shape,
             )
 
         limit = self.settings.max_request_bytes
         if length > limit:
-            return await _too_large(send, length, limit)
+            return await _too_large(send, length, limit, shape)
         body = b""
         more = True
         while more:
@@ -167,7 +184,7 @@ class RelayApp:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > limit:
-                return await _too_large(send, len(body), limit)
+                return await _too_large(send, len(body), limit, shape)
 
         if route == MODELS:
             call = _record(state, "GET", "/models", body, False, retry)
@@ -179,26 +196,75 @@ class RelayApp:
             request = json.loads(body)
         except ValueError as exc:  # UnicodeDecodeError is a ValueError too
             return await _reply_error(
-                send,
-                400,
-                f"request body is not valid JSON: {exc}",
-                "invalid_json",
+                send, 400, f"request body is not valid JSON: {exc}", "invalid_json", wire=shape
+            )
+        except RecursionError:
+            return await _reply_error(
+                send, 400, "request body is nested too deeply", "invalid_json", wire=shape
             )
         if not isinstance(request, dict):
             return await _reply_error(
-                send, 400, "request body must be a JSON object", "invalid_json"
+                send, 400, "request body must be a JSON object", "invalid_json", wire=shape
             )
         stream = request.get("stream") is True
+        if b"content-type" not in forward:
+            forward += b"content-type: application/json\r\n"
+        if wire is not None and wire is not CHAT_WIRE:
+            return await self._other_wire(
+                state, send, receive, wire, request, body, stream, retry, forward
+            )
         upstream_body = body
         if self.settings.request_token_ids:
             request.update(self.settings.token_request_fields)
             upstream_body = json.dumps(request, separators=(",", ":")).encode()
-        if b"content-type" not in forward:
-            forward += b"content-type: application/json\r\n"
         call = _record(state, "POST", "/chat/completions", body, stream, retry)
         await self._forward(
             state, send, receive, call, b"POST", state.upstream.chat, forward, upstream_body
         )
+
+    async def _other_wire(
+        self,
+        state: RolloutState,
+        send: Send,
+        receive: Receive,
+        wire: Wire,
+        request: dict[str, object],
+        body: bytes,
+        stream: bool,
+        retry: int,
+        forward: bytes,
+    ) -> None:
+        """A Responses or Messages call: forwarded as is to an upstream that speaks it,
+        else translated to chat completions (a request that cannot be is refused here)."""
+        upstream = state.upstream
+        if wire.name in self.settings.native_apis:
+            target = upstream.responses if wire.path == "/responses" else upstream.messages
+            if wire is MESSAGES_WIRE:
+                forward += upstream.anthropic_key_line()
+            call = _record(state, "POST", wire.path, body, stream, retry, wire.name, wire.name)
+            await self._forward(
+                state, send, receive, call, b"POST", target, forward, body, wire, None
+            )
+            return
+        assert wire.translate is not None
+        try:
+            translation = wire.translate(request)
+            chat = translation.chat_request
+            recorded = json.dumps(chat, separators=(",", ":")).encode()
+        except (WireError, RecursionError) as exc:
+            problem = exc if isinstance(exc, WireError) else "it is nested too deeply"
+            return await _reply_error(
+                send, 400, f"invalid {wire.name} request: {problem}", "invalid_request", wire=wire
+            )
+        upstream_body = recorded
+        if self.settings.request_token_ids:
+            chat.update(self.settings.token_request_fields)
+            upstream_body = json.dumps(chat, separators=(",", ":")).encode()
+        call = _record(state, "POST", wire.path, recorded, stream, retry, wire.name)
+        await self._forward(
+            state, send, receive, call, b"POST", upstream.chat, forward, upstream_body, wire,
+            translation,
+        )  # fmt: skip
 
     async def _forward(
         self,
@@ -210,6 +276,8 @@ class RelayApp:
         target: Target,
         headers: bytes,
         body: bytes,
+        wire: Wire = CHAT_WIRE,
+        translation: Translation | None = None,
     ) -> None:
         generation = call.generation
         # Watch for the agent hanging up during the whole call: cancelling closes the upstream
@@ -218,7 +286,9 @@ class RelayApp:
         with anyio.CancelScope() as gone:
             watch = _DisconnectWatch(receive, gone)
             try:
-                await self._exchange(state, send, call, generation, method, target, headers, body)
+                await self._exchange(
+                    state, send, call, generation, method, target, headers, body, wire, translation
+                )
             finally:
                 watch.stop()
         if gone.cancelled_caught and not call.done:
@@ -236,6 +306,8 @@ class RelayApp:
         target: Target,
         headers: bytes,
         body: bytes,
+        wire: Wire,
+        translation: Translation | None,
     ) -> None:
         upstream = state.upstream
         settings = self.settings
@@ -257,17 +329,27 @@ class RelayApp:
                 unseen = isinstance(exc, UpstreamConnectError) or exc.stale
                 if not unseen or attempt == attempts:
                     return await _fail(
-                        send, call, generation, CallError.CONNECTION, *_describe(exc, upstream)
+                        send,
+                        call,
+                        generation,
+                        CallError.CONNECTION,
+                        *_describe(exc, upstream),
+                        wire=wire,
                     )
                 if isinstance(exc, UpstreamConnectError):
                     await asyncio.sleep(0.05 * attempt)
             except UpstreamTimeoutError as exc:
                 return await _fail(
-                    send, call, generation, CallError.TIMEOUT, *_describe(exc, upstream)
+                    send, call, generation, CallError.TIMEOUT, *_describe(exc, upstream), wire=wire
                 )
             except UpstreamError as exc:
                 return await _fail(
-                    send, call, generation, CallError.CONNECTION, *_describe(exc, upstream)
+                    send,
+                    call,
+                    generation,
+                    CallError.CONNECTION,
+                    *_describe(exc, upstream),
+                    wire=wire,
                 )
         assert response is not None
 
@@ -291,17 +373,42 @@ class RelayApp:
                     f"the policy upstream refused the relay's credentials (HTTP {status})",
                     http_status=502,
                     code="upstream_auth_rejected",
+                    wire=wire,
                 )
-            if stream:
-                await self._pass_stream(response, send, call, generation, out_headers, upstream)
+            # A translated stream the upstream refused is answered as one error body.
+            if stream and (translation is None or status < 400):
+                await self._pass_stream(
+                    response, send, call, generation, out_headers, upstream, wire, translation
+                )
                 return
             # One deadline for the whole call, headers and body.
             payload = await response.read(max(0.0, settings.response_timeout_s - ttfb))
             if status >= 400:
                 payload = upstream.scrub(payload)
-            out_headers.append((b"content-length", str(len(payload)).encode()))
+            answer = payload
+            if translation is not None:
+                if status >= 400:
+                    answer = wire.upstream_error(status, payload)
+                else:
+                    try:
+                        answer = translation.answer(json.loads(payload))
+                    except (ValueError, RecursionError) as exc:  # not a chat completion
+                        if call.generation == generation:
+                            call.response_body = payload
+                            call.upstream_status = status
+                        return await _fail(
+                            send,
+                            call,
+                            generation,
+                            CallError.UNTRANSLATABLE,
+                            f"the policy upstream's answer cannot be given as {wire.name}: {exc}",
+                            http_status=502,
+                            code="upstream_bad_answer",
+                            wire=wire,
+                        )
+            out_headers.append((b"content-length", str(len(answer)).encode()))
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
-            await send({"type": "http.response.body", "body": payload})
+            await send({"type": "http.response.body", "body": answer})
             if call.generation == generation:
                 call.response_body = payload
                 call.upstream_status = call.status = status
@@ -309,9 +416,13 @@ class RelayApp:
                 call.latency_s = time.perf_counter() - call.t0
                 call.done = True
         except UpstreamTimeoutError as exc:
-            await _fail(send, call, generation, CallError.TIMEOUT, *_describe(exc, upstream))
+            await _fail(
+                send, call, generation, CallError.TIMEOUT, *_describe(exc, upstream), wire=wire
+            )
         except UpstreamError as exc:
-            await _fail(send, call, generation, CallError.CONNECTION, *_describe(exc, upstream))
+            await _fail(
+                send, call, generation, CallError.CONNECTION, *_describe(exc, upstream), wire=wire
+            )
         finally:
             response.release()
 
@@ -323,8 +434,11 @@ class RelayApp:
         generation: int,
         headers: list[tuple[bytes, bytes]],
         upstream: Upstream,
+        wire: Wire,
+        translation: Translation | None,
     ) -> None:
         status = response.status
+        translated = translation.stream() if translation is not None else None
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if call.generation == generation:
             call.upstream_status = status
@@ -335,7 +449,9 @@ class RelayApp:
             if status >= 400:
                 chunk = upstream.scrub(chunk)
             if call.generation == generation:
-                chunks.append(chunk)
+                chunks.append(chunk)  # the upstream's bytes: the trace parses those
+            if translated is not None and not (chunk := translated.feed(chunk)):
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
         failed: UpstreamError | None = None
@@ -351,11 +467,16 @@ class RelayApp:
             # OpenAI clients raise as an API error, and close the stream.
             kind = CallError.TIMEOUT if isinstance(failed, TimeoutError) else CallError.CONNECTION
             text, told = _describe(failed, upstream)
-            event = b"data: " + error_body(told, f"upstream_{kind.value}") + b"\n\n"
+            code = f"upstream_{kind.value}"
+            if translated is not None:
+                event = translated.fail(told, code)
+            else:
+                event = wire.stream_error(told, code)
             await send({"type": "http.response.body", "body": event, "more_body": False})
             _finish(call, generation, status, kind, text)
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        tail = translated.finish() if translated is not None else b""
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
         _finish(call, generation, status, None, None)
 
     def _response_headers(
@@ -423,6 +544,8 @@ def _record(
     body: bytes,
     stream: bool,
     retry: int,
+    api: str = CHAT_WIRE.name,
+    upstream_api: str = CHAT_WIRE.name,
 ) -> RawCall:
     calls = state.calls
     if retry:
@@ -459,6 +582,8 @@ def _record(
         request_body=body,
         stream=stream,
         policy_version=state.policy_version,
+        api=api,
+        upstream_api=upstream_api,
     )
     calls.append(call)
     return call
@@ -482,13 +607,15 @@ async def _fail(
     *,
     http_status: int | None = None,
     code: str | None = None,
+    wire: Wire = CHAT_WIRE,
 ) -> None:
     """Answer the agent with an error (``told``, else ``message``); the trace keeps ``message``."""
     if http_status is None:
         http_status = 504 if error is CallError.TIMEOUT else 502
     if code is None:
         code = "upstream_timeout" if error is CallError.TIMEOUT else "upstream_unreachable"
-    await _reply(send, http_status, error_body(told or message, code))
+    body = wire.error_body(http_status, told or message, code, "policy_error")
+    await _reply(send, http_status, body)
     if call.generation == generation:
         call.status = http_status
         call.error = error
@@ -508,11 +635,12 @@ def _describe(exc: BaseException, upstream: Upstream) -> tuple[str, str]:
     return recorded, "the policy upstream could not be reached or dropped the connection"
 
 
-async def _too_large(send: Send, size: int, limit: int) -> None:
+async def _too_large(send: Send, size: int, limit: int, wire: Wire) -> None:
     await _reply(
         send,
         413,
-        error_body(
+        wire.error_body(
+            413,
             f"request body of {size} bytes exceeds the relay's limit of {limit} bytes",
             "request_too_large",
             "invalid_request_error",
@@ -522,9 +650,15 @@ async def _too_large(send: Send, size: int, limit: int) -> None:
 
 
 async def _reply_error(
-    send: Send, status: int, message: str, code: str, kind: str = "invalid_request_error"
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    kind: str = "invalid_request_error",
+    *,
+    wire: Wire = CHAT_WIRE,
 ) -> None:
-    await _reply(send, status, error_body(message, code, kind))
+    await _reply(send, status, wire.error_body(status, message, code, kind))
 
 
 async def _reply(send: Send, status: int, body: bytes, *, close: bool = False) -> None:

@@ -47,6 +47,13 @@ def relay_command(
     upstream_ca_file: Annotated[
         Path | None, typer.Option(help="Extra CA certificates (PEM) for an https upstream.")
     ] = None,
+    upstream_speaks: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="An agent format the upstream serves itself ('responses', 'messages'; "
+            "repeatable): forwarded as is instead of translated to chat completions."
+        ),
+    ] = None,
 ) -> None:
     """Run the rollout-scoped policy relay as its own process.
 
@@ -56,6 +63,14 @@ def relay_command(
     from the command line (where other users could read it).
     """
     admin_token = os.environ.get(admin_token_env) or secrets.token_urlsafe(32)
+    try:
+        settings = RelaySettings(
+            request_token_ids=request_token_ids,
+            upstream_ca_file=str(upstream_ca_file) if upstream_ca_file else None,
+            native_apis=frozenset(upstream_speaks or ()),
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--upstream-speaks") from exc
     relay = Relay(
         upstream_url=upstream,
         upstream_api_key=os.environ.get(upstream_key_env),
@@ -63,10 +78,7 @@ def relay_command(
         port=port,
         unix_socket_path=unix_socket,
         advertised_url=advertised_url,
-        settings=RelaySettings(
-            request_token_ids=request_token_ids,
-            upstream_ca_file=str(upstream_ca_file) if upstream_ca_file else None,
-        ),
+        settings=settings,
         admin_token=admin_token,
     )
 

@@ -1,5 +1,9 @@
 """The embedded scripted policy: an OpenAI-compatible server that answers from a script.
 
+It speaks chat completions, and the Responses and Anthropic Messages APIs too (``/v1/responses``,
+``/v1/messages``, through the relay's own translation), so it can stand in for an upstream that
+speaks those natively.
+
 It lets the main job, the demos and the tests run the real agent path (agent -> relay -> policy)
 with no model. Answers are deterministic and stateless: the turn to play is the number of
 assistant messages since the last user message, so retries and concurrent rollouts need no
@@ -40,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from backends.asgi import Receive, Scope, Send, send_json
 from backends.relay.app import _reply, _reply_error
 from backends.relay.serving import Served, serve_asgi
-from backends.relay.upstream import error_body
+from backends.relay.wire import BY_ROUTE, CHAT_WIRE, Translation
 
 SCRIPTED_HEADER = b"x-scripted-policy"
 _ROLLOUT_HEADERS = (b"x-session-id", b"x-rollout-id")
@@ -273,11 +277,13 @@ class ReceivedCall:
 
     rollout_id: str | None
     authorization: str | None
-    request: dict[str, Any]
+    request: dict[str, Any]  # as chat completions (translated if it came in another format)
+    api: str = CHAT_WIRE.name  # the format it came in
 
 
 class ScriptedPolicyApp:
-    """ASGI app: ``/v1/chat/completions`` and ``/v1/models`` answered from a ``Script``."""
+    """ASGI app: ``/v1/chat/completions`` (and ``/v1/responses``, ``/v1/messages``) and
+    ``/v1/models`` answered from a ``Script``."""
 
     def __init__(self, script: Script, *, api_key: str | None = None) -> None:
         self.script = script
@@ -304,7 +310,9 @@ class ScriptedPolicyApp:
                 ],
             }
             return await self._json(send, 200, body)
-        if not (path.endswith("/v1/chat/completions") and scope["method"] == "POST"):
+        route = "v1/" + path.rpartition("/v1/")[2] if "/v1/" in path else ""
+        wire = BY_ROUTE.get(route)
+        if wire is None or scope["method"] != "POST":
             return await _reply_error(send, 404, f"no route {scope['method']} {path}", "not_found")
         raw = b""
         more = True
@@ -314,29 +322,40 @@ class ScriptedPolicyApp:
                 return
             raw += message.get("body", b"")
             more = message.get("more_body", False)
+        translation: Translation | None = None
         try:
             request = json.loads(raw)
+            if wire is not CHAT_WIRE and wire.translate is not None:
+                translation = wire.translate(request if isinstance(request, dict) else {})
+                request = translation.chat_request
             if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
                 raise ValueError("expected an object with a 'messages' list")
-        except ValueError as exc:
-            return await _reply_error(send, 400, f"invalid request: {exc}", "invalid_request")
+        except (ValueError, RecursionError) as exc:  # WireError included
+            refusal = wire.error_body(
+                400, f"invalid request: {exc}", "invalid_request", "invalid_request_error"
+            )
+            return await _reply(send, 400, refusal)
         rollout_id = next((headers[h].decode() for h in _ROLLOUT_HEADERS if h in headers), None)
-        self.calls.append(ReceivedCall(rollout_id, auth.decode() if auth else None, request))
+        self.calls.append(
+            ReceivedCall(rollout_id, auth.decode() if auth else None, request, wire.name)
+        )
         reply = self.script.reply(request["messages"], rollout_id)
         if reply.delay_s:
             await anyio.sleep(reply.delay_s)
         if reply.error_status is not None:
             text = f"scripted failure (rule {reply.rule!r})"
-            return await _reply(
-                send, reply.error_status, error_body(text, "scripted_error", "server_error")
-            )
+            failure = wire.error_body(reply.error_status, text, "scripted_error", "server_error")
+            return await _reply(send, reply.error_status, failure)
         tokens = bool(request.get("logprobs") or request.get("return_token_ids"))
         prompt = "\n".join(
             _text(m.get("content")) for m in request["messages"] if isinstance(m, dict)
         )
         if request.get("stream") is True:
             usage = bool((request.get("stream_options") or {}).get("include_usage"))
-            await self._stream(send, reply, prompt, tokens, usage)
+            await self._stream(send, reply, prompt, tokens, usage, translation)
+        elif translation is not None:
+            answer = translation.answer(self._completion(reply, prompt, tokens))
+            await send_json(send, 200, answer, self._header)
         else:
             await self._json(send, 200, self._completion(reply, prompt, tokens))
 
@@ -361,7 +380,13 @@ class ScriptedPolicyApp:
         return body
 
     async def _stream(
-        self, send: Send, reply: Reply, prompt: str, tokens: bool, usage: bool
+        self,
+        send: Send,
+        reply: Reply,
+        prompt: str,
+        tokens: bool,
+        usage: bool,
+        translation: Translation | None,
     ) -> None:
         await send(
             {
@@ -374,6 +399,16 @@ class ScriptedPolicyApp:
                 ],
             }
         )
+        translated = translation.stream() if translation is not None else None
+        for chunk in self._chunks(reply, prompt, tokens, usage):
+            if translated is not None:
+                chunk = translated.feed(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        tail = translated.finish() if translated is not None else b""
+        await send({"type": "http.response.body", "body": tail})
+
+    def _chunks(self, reply: Reply, prompt: str, tokens: bool, usage: bool) -> Iterator[bytes]:
+        """The answer as chat-completions SSE events."""
         position = 0
         first = True
         for delta, text in _deltas(reply):
@@ -392,18 +427,18 @@ class ScriptedPolicyApp:
             first = False
             position += len(text)
             chunk["choices"] = [choice]
-            await _sse(send, chunk)
+            yield _sse(chunk)
         final = self._envelope("chat.completion.chunk")
         final["choices"] = [
             {"index": 0, "delta": {}, "finish_reason": reply.finish_reason, "logprobs": None}
         ]
-        await _sse(send, final)
+        yield _sse(final)
         if usage:
             tail = self._envelope("chat.completion.chunk")
             tail["choices"] = []
             tail["usage"] = _usage(prompt, reply.text_for_tokens())
-            await _sse(send, tail)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            yield _sse(tail)
+        yield b"data: [DONE]\n\n"
 
     def _envelope(self, kind: str) -> dict[str, Any]:
         return {
@@ -457,9 +492,8 @@ def _usage(prompt: str, completion: str) -> dict[str, int]:
     }
 
 
-async def _sse(send: Send, chunk: dict[str, Any]) -> None:
-    data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-    await send({"type": "http.response.body", "body": data, "more_body": True})
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 class ScriptedPolicy(Served):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The models live in the rollout contract (results carry them); imported from here as before.
+from backends.relay.wire import BY_NAME, CHAT
 from backends.rollout.trace import CallError, CallRecord, ChoiceRecord, RolloutTrace
 
 
@@ -29,6 +30,9 @@ class RawCall:
     request_body: bytes
     stream: bool
     policy_version: str | None
+    api: str = CHAT  # what the agent spoke
+    # What the upstream spoke; the request and response bytes are in this format.
+    upstream_api: str = CHAT
     attempts: int = 1
     generation: int = 0  # bumped by a folded retry; a superseded attempt stops writing
     done: bool = False
@@ -69,14 +73,19 @@ def build_call(raw: RawCall) -> CallRecord:
         "error_message": raw.error_message,
         "stream": raw.stream,
         "attempts": raw.attempts,
+        "api": raw.api,
+        "upstream_api": raw.upstream_api,
         "request": _loads_object(raw.request_body) if raw.request_body else None,
         "policy_version": raw.policy_version,
     }
     if not raw.done:
         fields["error"] = CallError.INTERRUPTED
         fields["error_message"] = "the call was still in flight when the trace was read"
+    native = BY_NAME[raw.upstream_api] if raw.upstream_api != CHAT else None
     response: dict[str, Any] | None
-    if raw.chunks:
+    if raw.chunks and native is not None and native.reassemble is not None:
+        response = native.reassemble(b"".join(raw.chunks))
+    elif raw.chunks:
         response = reassemble_stream(b"".join(raw.chunks))
     elif raw.response_body:
         response = _loads_object(raw.response_body)
@@ -84,19 +93,25 @@ def build_call(raw: RawCall) -> CallRecord:
         response = None
     if response is not None:
         fields["response"] = response
-        if isinstance(response.get("model"), str):
-            fields["model"] = response["model"]
-        if isinstance(response.get("usage"), dict):
-            fields["usage"] = response["usage"]
-        prompt_ids = response.get("prompt_token_ids")
-        choices = response.get("choices")
+        # A native answer is read in chat form; an error body has no choices to read.
+        completion = response
+        if native is not None and native.as_chat_completion is not None:
+            answered = raw.upstream_status is not None and raw.upstream_status < 400
+            completion = native.as_chat_completion(response) if answered else {}
+        if isinstance(completion.get("model"), str):
+            fields["model"] = completion["model"]
+        if isinstance(completion.get("usage"), dict):
+            fields["usage"] = completion["usage"]
+        prompt_ids = completion.get("prompt_token_ids")
+        choices = completion.get("choices")
         if isinstance(choices, list):
             fields["choices"] = [_choice(c) for c in choices if isinstance(c, dict)]
             if prompt_ids is None and choices and isinstance(choices[0], dict):
                 prompt_ids = choices[0].get("prompt_token_ids")  # some servers put it per choice
         if _is_int_list(prompt_ids):
             fields["prompt_token_ids"] = prompt_ids
-        _drop_extracted(response, fields)
+        if native is None:
+            _drop_extracted(response, fields)
     return CallRecord(**fields)
 
 
@@ -174,7 +189,7 @@ def _is_int_list(value: Any) -> bool:
 def _loads_object(body: bytes) -> dict[str, Any] | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested deeper than the parser goes
         return None
     return value if isinstance(value, dict) else None
 

@@ -45,6 +45,17 @@ class RelaySettings:
     keepalive_timeout_s: float = 4.0
     # Extra CA certificates (PEM) trusted for https upstreams, besides the system's.
     upstream_ca_file: str | None = None
+    # Agent formats the upstream speaks itself ("responses", "messages"): forwarded as they
+    # come (to <base>/responses, <base>/messages) instead of translated to chat completions.
+    # Nothing is added to such requests (no token-id fields: request_token_ids is for chat).
+    native_apis: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.native_apis) - {"responses", "messages"}
+        if unknown:
+            raise ValueError(
+                f"native_apis {sorted(unknown)}: an upstream may speak 'responses' or 'messages'"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +71,8 @@ class Upstream:
     api_key: str | None = field(repr=False)
     chat: Target
     models: Target
+    responses: Target
+    messages: Target
     basic_auth: str | None = field(default=None, repr=False)  # "user:password" from the URL
 
     @classmethod
@@ -104,6 +117,8 @@ class Upstream:
             api_key=api_key or None,
             chat=target(CHAT_SUFFIX),
             models=target("/models"),
+            responses=target("/responses"),
+            messages=target("/messages"),
             basic_auth=basic_auth,
         )
 
@@ -119,6 +134,10 @@ class Upstream:
         if self.basic_auth is not None:
             return b"Authorization: Basic %s\r\n" % base64.b64encode(self.basic_auth.encode())
         return b""
+
+    def anthropic_key_line(self) -> bytes:
+        """The key as Anthropic's API takes it (``x-api-key``), for a native Messages upstream."""
+        return b"x-api-key: %s\r\n" % self.api_key.encode() if self.api_key else b""
 
     def scrub(self, body: bytes) -> bytes:
         """Remove upstream secrets from bytes bound for a sandbox (error bodies may echo them)."""

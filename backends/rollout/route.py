@@ -99,12 +99,15 @@ class PolicyRoute(BaseModel):
         return self.advertised_url.rstrip("/") + self.relay_path
 
     def environment(self, base_url: str) -> dict[str, str]:
-        """Environment variables pointing OpenAI clients and ``RolloutContext`` at ``base_url``."""
+        """Environment variables pointing OpenAI and Anthropic clients and ``RolloutContext`` at
+        ``base_url`` (the relay serves the Messages API on the same route; Anthropic clients
+        take the URL without its ``/v1``)."""
         env = {
             "OPENAI_BASE_URL": base_url,
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
             ENV_CHAT_COMPLETIONS_URL: base_url,
             ENV_ROLLOUT_ID: self.rollout_id,
         }
         if self.api_key is not None:
-            env["OPENAI_API_KEY"] = env[ENV_API_KEY] = self.api_key
+            env["OPENAI_API_KEY"] = env["ANTHROPIC_API_KEY"] = env[ENV_API_KEY] = self.api_key
         return env

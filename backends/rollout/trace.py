@@ -23,6 +23,8 @@ class CallError(StrEnum):
     CONNECTION = "connection"  # the upstream could not be reached, or dropped the connection
     INTERRUPTED = "interrupted"  # the call was still running when the trace was read
     CLIENT_DISCONNECTED = "client_disconnected"  # the agent hung up before the answer ended
+    # The upstream answered, but not as a chat completion the agent's format can be made of.
+    UNTRANSLATABLE = "untranslatable"
 
 
 # Upstream statuses that mean "the policy failed", not "the agent asked for something wrong":
@@ -47,6 +49,12 @@ class CallRecord(BaseModel):
     index: int
     method: str
     path: str  # relative to the rollout's base URL, e.g. "/chat/completions"
+    # The format the agent spoke ("chat.completions", "responses", "messages"), and the one
+    # the relay spoke upstream: ``request`` and ``response`` are in the upstream's format, so a
+    # translated call's hold the chat completion the policy saw. ``choices`` and ``usage`` are
+    # in chat-completions form whatever the formats.
+    api: str = "chat.completions"
+    upstream_api: str = "chat.completions"
     started_at: float  # unix time the request reached the relay
     latency_s: float | None = None  # until the last byte was sent back (None: never finished)
     # Until the upstream's answer began: its headers, or for a stream its first body bytes.
@@ -57,7 +65,7 @@ class CallRecord(BaseModel):
     error_message: str | None = None
     stream: bool = False
     attempts: int = 1  # > 1 when client retries of the same request were folded in
-    request: dict[str, Any] | None = None  # as the client sent it
+    request: dict[str, Any] | None = None  # as the client sent it (translated: as forwarded)
     # As the upstream sent it (a stream reassembled), minus the token ids and logprobs read
     # into ``choices`` and ``prompt_token_ids``: each list is stored once, not twice.
     response: dict[str, Any] | None = None
@@ -87,7 +95,7 @@ class CallRecord(BaseModel):
     @property
     def is_policy_failure(self) -> bool:
         """The policy, not the agent, is why this call has no answer."""
-        if self.error in (CallError.TIMEOUT, CallError.CONNECTION):
+        if self.error in (CallError.TIMEOUT, CallError.CONNECTION, CallError.UNTRANSLATABLE):
             return True
         status = self.upstream_status
         return status is not None and (status >= 500 or status in _POLICY_STATUSES)

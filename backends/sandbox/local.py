@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
 import anyio
+from anyio.lowlevel import RunVar
 from harbor.environments.base import (
     ExecResult,
 )
@@ -30,9 +31,14 @@ from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths
 
-from backends.sandbox import layers, transfer, unpack
+from backends.sandbox import direct, layers, transfer, unpack
 from backends.sandbox.cgroups import Limits
-from backends.sandbox.errors import SandboxNotRunningError, SandboxPathError, UnsupportedTaskError
+from backends.sandbox.errors import (
+    ExecTimeoutError,
+    SandboxNotRunningError,
+    SandboxPathError,
+    UnsupportedTaskError,
+)
 from backends.sandbox.filtered import CheckedDownloads
 from backends.sandbox.launcher import Bind
 from backends.sandbox.runtime import OUTPUT_LIMIT, BwrapSandbox, SandboxSpec, reap_orphans
@@ -152,6 +158,10 @@ class LocalSandbox(CheckedDownloads):
       Files that host tools read whole have a fixed limit of their own, whatever this is:
       reward.txt and reward.json 1 MiB, trajectory.json and ctrf.json 64 MiB
       (`backends.sandbox.unpack.PARSED_FILE_LIMITS`).
+    - `host_transfers`: True (default) moves files by the host through the sandbox's root
+      (`backends.sandbox.direct`: kernel-confined paths, the sandbox's own mounts only,
+      sandbox root's ids for writes), about 0.5 ms each; anything that path cannot take, and
+      every transfer with False, goes through `tar` run inside as sandbox root (~5 ms).
     - `enforce_storage`: True (default) enforces the task's `storage_mb` (the sandbox writes
       into a sparse ext4 image that size; past it, ENOSPC); False runs without a disk limit,
       for hosts without loop devices.
@@ -193,9 +203,11 @@ class LocalSandbox(CheckedDownloads):
         shm_size_mb: int | str | None = None,
         enforce_storage: bool | str = True,
         transfer_timeout_sec: float | str = TRANSFER_TIMEOUT_SEC,
+        host_transfers: bool | str = True,
         **kwargs: Any,
     ) -> None:
         self.transfer_timeout_sec = float(transfer_timeout_sec)
+        self.host_transfers = _flag(host_transfers, "host_transfers")
         self._extra_binds = _parse_binds(extra_binds)
         self._relay_socket = Path(relay_socket) if relay_socket else None
         self._relay_port = int(relay_port)
@@ -458,6 +470,58 @@ class LocalSandbox(CheckedDownloads):
         )
 
     # -- files --------------------------------------------------------------------------------
+    # Done by the host through the sandbox's root where it can (backends.sandbox.direct);
+    # otherwise by `tar` run inside as sandbox root. Both give the same result.
+
+    async def _direct(
+        self, what: str, transfer_fn: Callable[[direct.SandboxRoot, direct.Watch], None]
+    ) -> bool:
+        """Run a transfer through the sandbox's root; False: it must go through `tar`.
+
+        Like the tar path it gives up after `transfer_timeout_sec` and when cancelled (the
+        worker thread stops at its next chunk or entry and removes what it made).
+        """
+        root = self._require().host_root() if self.host_transfers else None
+        if root is None:
+            return False
+        watch = direct.Watch(self.transfer_timeout_sec, what)
+        try:
+            await anyio.to_thread.run_sync(
+                transfer_fn, root, watch, abandon_on_cancel=True, limiter=_transfer_threads()
+            )
+        except direct.Unsupported as e:
+            log.debug("%s goes through tar in the sandbox: %s", what, e)
+            return False
+        except TimeoutError:
+            raise ExecTimeoutError(
+                f"{what} took longer than {self.transfer_timeout_sec} s (transfer_timeout_sec)"
+            ) from None
+        finally:
+            watch.stop()
+        return True
+
+    async def replace_dirs(self, dirs: dict[str, int]) -> None:
+        """Put an empty root-owned directory of the given mode at each path, whatever stood
+        there (what an agent left at /tests or in /logs/verifier never reaches its grader).
+
+        Raises:
+            OSError: not possible (a mount point there, say).
+        """
+        paths = {transfer.sandbox_path(p, self.workdir): mode for p, mode in dirs.items()}
+        if await self._direct(
+            f"emptying {', '.join(paths)}", lambda root, watch: root.replace_dirs(paths, watch)
+        ):
+            return
+        # Inside instead, as Harbor empties directories (a mount point, such as a bound /logs
+        # directory, keeps its root and loses its contents).
+        # (A bound directory may not be ours to chmod: it keeps its mode.)
+        script = " && ".join(
+            [self._empty_dirs_command(list(paths), chmod=False)]
+            + [f"{{ chmod {mode:o} {shlex.quote(p)} || true; }}" for p, mode in paths.items()]
+        )
+        res = await self.exec(script, user="root", timeout_sec=int(self.transfer_timeout_sec))
+        if res.return_code != 0:
+            raise OSError(f"cannot empty {', '.join(paths)}: {(res.stderr or '').strip()}")
 
     async def _untar_into(self, target_dir: str, pack: Callable[[BinaryIO], None]) -> None:
         box = self._require()
@@ -483,12 +547,24 @@ class LocalSandbox(CheckedDownloads):
         target = transfer.sandbox_path(target_path, self.workdir)
         parent, name = target.rsplit("/", 1)
         source = Path(source_path)
+        if await self._direct(
+            f"upload to {target}",
+            lambda root, watch: root.upload(source, target, watch, contents=False),
+        ):
+            self._require().forget_users()  # an upload may have replaced /etc/passwd
+            return
         await self._untar_into(parent or "/", lambda out: transfer.pack(source, name, out))
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         """Merge a host directory's contents into `target_dir` (created if missing)."""
         target = transfer.sandbox_path(target_dir, self.workdir)
         source = Path(source_dir)
+        if await self._direct(
+            f"upload to {target}",
+            lambda root, watch: root.upload(source, target, watch, contents=True),
+        ):
+            self._require().forget_users()
+            return
         await self._untar_into(target, lambda out: transfer.pack_dir_contents(source, out))
 
     async def _tar_out(
@@ -540,6 +616,17 @@ class LocalSandbox(CheckedDownloads):
         source = transfer.sandbox_path(source_path, self.workdir)
         parent, name = source.rsplit("/", 1)
         target = Path(target_path)
+        limit = self._max_download
+        if await self._direct(
+            f"download of {source}",
+            lambda root, watch: unpack.into_members(
+                root.file_member(source, watch),
+                target.parent,
+                max_bytes=limit,
+                rename_single=target.name,
+            ),
+        ):
+            return
         await self._tar_out(
             ["tar", "-c", "--sparse", "-h", "-C", parent or "/", "-f", "-", name],
             source,
@@ -561,6 +648,16 @@ class LocalSandbox(CheckedDownloads):
             would replace a directory. DownloadTooLargeError (an OSError): past
             `max_download_bytes`, or past the limit of a file host tools read whole.
         """
+        source = transfer.sandbox_path(source_dir, self.workdir)
+        target = Path(target_dir)
+        limit = self._max_download
+        if await self._direct(
+            f"download of {source}",
+            lambda root, watch: unpack.into_members(
+                root.tree_members(source, watch), target, max_bytes=limit
+            ),
+        ):
+            return
         await self._download_tree(source_dir, target_dir, ["."])
 
     async def _list_files(self, source_dir: str) -> list[str]:
@@ -592,6 +689,20 @@ class LocalSandbox(CheckedDownloads):
             lambda archive: unpack.into(archive, target, max_bytes=self._max_download),
             stdin=stdin,
         )
+
+
+_TRANSFER_THREADS: RunVar[anyio.CapacityLimiter] = RunVar("local-sandbox transfer threads")
+
+
+def _transfer_threads() -> anyio.CapacityLimiter:
+    """Worker threads of host-side transfers, apart from anyio's default pool: transfers a
+    sandbox slows down (within their timeouts) never keep other work from its threads."""
+    try:
+        return _TRANSFER_THREADS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(16)
+        _TRANSFER_THREADS.set(limiter)
+        return limiter
 
 
 def _flag(value: bool | str, name: str) -> bool:

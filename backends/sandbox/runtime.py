@@ -27,7 +27,7 @@ from typing import BinaryIO, SupportsIndex
 
 import anyio
 
-from backends.sandbox import cgroups, disk, launcher, network, owners, uids
+from backends.sandbox import cgroups, direct, disk, launcher, network, owners, uids
 from backends.sandbox.errors import (
     ExecTimeoutError,
     SandboxEndedError,
@@ -94,6 +94,8 @@ class BwrapSandbox:
         self._users: dict[str | int, User] = {}
         self._exec_ids = itertools.count()
         self._lease: uids.Lease | None = None
+        self._root: direct.SandboxRoot | None = None
+        self._root_refused = False
 
     # Built on first use: a sandbox that takes a pooled entry takes that entry's name, so
     # computing them for the constructor's name would be wasted work on every start.
@@ -217,6 +219,9 @@ class BwrapSandbox:
             if booted is not None:
                 await booted.process.wait()
             await self.cgroup.wait_empty()
+        root, self._root = self._root, None
+        if root is not None:
+            root.close()
         if booted is not None:
             booted.close()
         if self._lease is not None:  # nothing of the sandbox runs as its uids any more
@@ -280,6 +285,21 @@ class BwrapSandbox:
 
     def forget_users(self) -> None:
         self._users.clear()
+
+    def host_root(self) -> direct.SandboxRoot | None:
+        """The sandbox's root as the host reaches it (opened once), or None where this host
+        cannot (then files cross by `tar` inside)."""
+        booted = self._booted
+        if self._root is None and not self._root_refused and booted is not None:
+            assert self._lease is not None
+            try:
+                self._root = direct.SandboxRoot(
+                    booted.init_pid, booted.alive, self._lease.base, self._lease.base
+                )
+            except (direct.Unsupported, OSError) as e:
+                log.info("sandbox %s: files cross by tar inside (%s)", self.label, e)
+                self._root_refused = True
+        return self._root
 
     async def run(
         self,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import posixpath
@@ -25,7 +26,7 @@ import stat
 import struct
 import tarfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -64,6 +65,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 _Writer = Callable[[str, int], None]  # makes an entry by name in a directory fd
+Copy = Callable[[int], None]  # writes a regular member's data into an fd
+Member = tuple[tarfile.TarInfo, Copy | None]
 
 
 class DownloadTooLargeError(OSError):
@@ -213,7 +216,11 @@ class _Extraction:
         """Create an entry under a fresh temporary name, then rename it over `parts`."""
         parent = self.directory(parts[:-1])
         temp = f".backends-download-{uuid.uuid4().hex[:16]}"
-        write(temp, parent)
+        try:
+            write(temp, parent)
+        except BaseException:  # a half-written member is no member: nothing of it stays
+            _remove(temp, parent)
+            raise
         existed = _exists(parts[-1], parent)
         try:
             os.rename(temp, parts[-1], src_dir_fd=parent, dst_dir_fd=parent)
@@ -326,6 +333,25 @@ def into(
         IsADirectoryError: `rename_single` was asked for and the member is a directory.
         OSError: `rename_single` was asked for and the member is not a regular file.
     """
+    archive.seek(0)
+    reader = _BoundedReader(archive)
+    members = (
+        (member, functools.partial(_copy_data, archive, member)) for member in _members(reader)
+    )
+    into_members(members, dest, max_bytes=max_bytes, rename_single=rename_single)
+
+
+def into_members(
+    members: Iterable[Member],
+    dest: Path,
+    *,
+    max_bytes: int,
+    rename_single: str | None = None,
+) -> None:
+    """`into` for members from any source: each a TarInfo (name, type, mode, size, link
+    name, mtime) and, for a regular file, a function writing its data into an fd. Every
+    check of `into` applies, whoever made the members.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     state = _Extraction(root_fd, dest, max_bytes)
@@ -338,13 +364,11 @@ def into(
                 p for p in _links_under(root_fd) if not resolves_beneath(root_fd, p)
             }
         try:
-            archive.seek(0)
-            reader = _BoundedReader(archive)
-            for member in _members(reader):
+            for member, copy in members:
                 if rename_single is not None:
                     _check_single(member)
                     member = member.replace(name=rename_single, deep=False)
-                _extract_member(state, archive, member)
+                _extract_member(state, member, copy)
                 if rename_single is not None:
                     break
             for parts, mode in reversed(state.modes):
@@ -387,7 +411,7 @@ def _check_single(member: tarfile.TarInfo) -> None:
         raise OSError(f"{member.name} is not a regular file")
 
 
-def _extract_member(state: _Extraction, archive: BinaryIO, member: tarfile.TarInfo) -> None:
+def _extract_member(state: _Extraction, member: tarfile.TarInfo, copy: Copy | None) -> None:
     parts = _member_parts(member.name, state.dest)
     if not parts:  # the target directory itself: it stays as it is
         return
@@ -396,12 +420,13 @@ def _extract_member(state: _Extraction, archive: BinaryIO, member: tarfile.TarIn
         state.directory(parts)
         state.modes.append((parts, mode | 0o700))
     elif member.isfile():
+        assert copy is not None, member.name
         state.charge(member.name, member.size)
 
         def write(temp: str, parent: int) -> None:
             fd = os.open(temp, _FILE_FLAGS, 0o600, dir_fd=parent)
             try:
-                _copy_data(archive, member, fd)
+                copy(fd)
                 os.fchmod(fd, mode)
                 with contextlib.suppress(OverflowError, ValueError, OSError):
                     os.utime(fd, (member.mtime, member.mtime))
