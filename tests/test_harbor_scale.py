@@ -22,6 +22,7 @@ from bench_scale import write_template
 from sky_sandbox import sim
 
 from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
+from backends.harbor import trial
 from backends.sandbox import skyruns
 
 pytestmark = [pytest.mark.anyio]
@@ -82,7 +83,7 @@ async def test_many_rollouts_leave_nothing_behind(
     assert 0 < retried <= engine.counters.create_failures  # (a create out of tries is not)
     # Per rollout, nothing stays: no pod, no open trial log, (almost) no logger.
     assert engine.boxes == {} and engine.counters.peak_live > n // 2
-    assert max(held) == 0
+    assert max(held) <= trial.BUILDERS.total_tokens  # only while Harbor builds a trial
     assert len(logging.Logger.manager.loggerDict) - loggers < n
     # The real SDK's .aio runs its sync client on the loop's default executor: widened.
     import asyncio

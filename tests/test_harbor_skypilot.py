@@ -6,8 +6,12 @@ run for real; only the path to them (the SkyPilot provider and SDK) differs.
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -147,15 +151,20 @@ def _host_address() -> str | None:
     return None if addr.startswith("127.") else addr
 
 
-async def test_an_agent_in_the_pod_reaches_the_relay_at_its_advertised_url(
-    tmp_path: Path, fake_sky: dict[str, str]
-) -> None:
+def _reachable_address() -> tuple[str, int]:
+    """An address of this host a pod could reach, and a free port on it (or a skip)."""
     host = _host_address()
     if host is None:
         pytest.skip("this host has no address a pod could reach")
     with socket.socket() as s:
         s.bind((host, 0))
-        port = s.getsockname()[1]
+        return host, s.getsockname()[1]
+
+
+async def test_an_agent_in_the_pod_reaches_the_relay_at_its_advertised_url(
+    tmp_path: Path, fake_sky: dict[str, str]
+) -> None:
+    host, port = _reachable_address()
     requests = requests_from_dataset(DATASET)[:2]
 
     def backend(**kwargs: object) -> HarborBackend:
@@ -191,3 +200,53 @@ async def test_an_agent_in_the_pod_reaches_the_relay_at_its_advertised_url(
         assert result.status is RolloutStatus.SUCCESS, result.failure
         assert result.reward == 1.0
         assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
+
+
+def test_backends_run_tells_agents_in_pods_the_relay_url(
+    tmp_path: Path, fake_sky: dict[str, str]
+) -> None:
+    """`backends run --relay-host/--relay-port/--relay-url`, through the installed script: an
+    agent installed in the pod reaches the relay (without them each rollout failed with "the
+    relay has no advertised_url")."""
+    host, port = _reachable_address()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(DATASET.read_text().splitlines(keepends=True)[:2]))
+    script = Path(sys.executable).with_name("backends")
+    tests = Path(__file__).parent
+    env = {
+        **os.environ,
+        **fake_sky,
+        "BACKENDS_HOME": str(tmp_path / "home"),
+        "PYTHONPATH": os.pathsep.join([str(tests), str(tests / "skyfake")]),
+    }
+    common = ["run", "-p", str(TEMPLATES / "arithmetic"), "-d", str(rows), "-e", "skypilot"]
+    common += ["-a", "test_harbor_skypilot:AsksTheRelay"]
+    relay = [
+        "--relay-host",
+        host,
+        "--relay-port",
+        str(port),
+        "--relay-url",
+        f"http://{host}:{port}",
+    ]
+    proc = subprocess.run(
+        [str(script), *common, "-o", str(tmp_path / "run"), *relay],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [
+        json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()
+    ]
+    assert [r["reward"] for r in results] == [1.0, 1.0], results
+    # An advertised URL without a fixed port is refused before anything runs.
+    proc = subprocess.run(
+        [str(script), *common, "--relay-url", f"http://{host}:9"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--relay-port" in proc.stderr, proc.stderr

@@ -27,12 +27,17 @@ from pathlib import Path
 from backends.sandbox.contract import PROVIDERS
 
 async def main():
-    env = PROVIDERS[1].make(Path(sys.argv[1]))
-    await env.start(force_build=False)
+    failing = "fail" in sys.argv[2:]  # a create the server refuses: no sandbox is made
+    kwargs = {"secrets": ["NOT_SET_ON_THE_SERVER"]} if failing else {}
+    env = PROVIDERS[1].make(Path(sys.argv[1]), kwargs=kwargs)
+    try:
+        await env.start(force_build=False)
+    except Exception as exc:
+        assert failing, exc
     print(env._sandbox_name, flush=True)
 
 anyio.run(main)
-if sys.argv[2:] == ["blip"]:
+if "blip" in sys.argv[2:]:
     os.environ["SKYPILOT_API_SERVER_ENDPOINT"] = "unix:///nonexistent/api.sock"
 """
 
@@ -43,9 +48,11 @@ def fake_sky() -> Iterator[dict[str, str]]:
         yield env
 
 
-def _run(argv: list[str], env: dict[str, str]) -> str:
+def _run(argv: list[str], env: dict[str, str], stderr: list[str] | None = None) -> str:
     res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
+    if stderr is not None:
+        stderr.append(res.stderr)
     return res.stdout
 
 
@@ -55,8 +62,10 @@ def test_a_sandbox_whose_exit_terminate_failed_is_reaped_by_the_next_start(
     import sky_sandbox
 
     env = {**os.environ, **fake_sky, "BACKENDS_HOME": str(tmp_path / "home")}
-    name = _run([sys.executable, "-c", HOLDER, str(tmp_path), "blip"], env).split()[-1]
+    stderr: list[str] = []
+    name = _run([sys.executable, "-c", HOLDER, str(tmp_path), "blip"], env, stderr).split()[-1]
     assert name in {s.name for s in sky_sandbox.ls()}
+    assert f"could not terminate this run's SkyPilot sandboxes ({name})" in stderr[0]
     assert os.listdir(tmp_path / "home" / "skypilot-runs"), "the run was forgotten"
     reaped = _run([sys.executable, "-m", "backends.cli", "sandbox", "reap", "-p", "skypilot"], env)
     assert name in reaped
@@ -73,6 +82,17 @@ def test_a_run_whose_sandboxes_are_gone_is_forgotten_at_exit(
     name = _run([sys.executable, "-c", HOLDER, str(tmp_path)], env).split()[-1]
     assert name not in {s.name for s in sky_sandbox.ls()}
     assert os.listdir(tmp_path / "home" / "skypilot-runs") == []
+
+
+def test_no_warning_at_exit_about_sandboxes_a_run_never_held(
+    fake_sky: dict[str, str], tmp_path: Path
+) -> None:
+    """A create the server refused leaves its name to look for at exit; with no API server
+    then, that is not a sandbox left running, and nothing is said."""
+    env = {**os.environ, **fake_sky, "BACKENDS_HOME": str(tmp_path / "home")}
+    stderr: list[str] = []
+    _run([sys.executable, "-c", HOLDER, str(tmp_path), "fail", "blip"], env, stderr)
+    assert "could not terminate" not in stderr[0], stderr[0]
 
 
 async def test_a_create_whose_answer_was_lost_leaves_no_sandbox_behind(

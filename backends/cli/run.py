@@ -214,6 +214,24 @@ def run_command(
             "default: on for the scripted policy only.",
         ),
     ] = None,
+    relay_host: Annotated[
+        str,
+        typer.Option(
+            help="Address the relay listens on (TCP). Sandboxes off this host (SkyPilot pods) "
+            "need one they can reach, with --relay-url."
+        ),
+    ] = "127.0.0.1",
+    relay_port: Annotated[
+        int, typer.Option(min=0, max=65535, help="The relay's TCP port (0: a free one).")
+    ] = 0,
+    relay_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The relay's URL as agents in remote sandboxes reach it, e.g. "
+            "http://10.0.0.5:8321 (needs --relay-port). Local sandboxes use a socket instead.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run a rollout over a dataset (or Harbor tasks) and print each rollout's reward."""
     # Bad input is reported (exit 2) before anything runs or any directory is made.
@@ -229,6 +247,8 @@ def run_command(
             "a script is for the embedded scripted policy: drop it, or --policy-url",
             param_hint="--policy-script",
         )
+    relay_at = _RelayAt(relay_host, relay_port, relay_url)
+    relay_at.check()
     try:
         retry = retry_selectors(retry_failed)
         script = Script.load(policy_script) if policy_script else None
@@ -298,7 +318,7 @@ def run_command(
         )
         run.tally.total = run.count_to_run()
         display = ProgressDisplay(run.tally, interval=progress_every)
-        anyio.run(_run, run, policy, n_concurrent, display)
+        anyio.run(_run, run, policy, relay_at, n_concurrent, display)
         code = _finish(run)
     finally:
         sink.close()
@@ -323,6 +343,30 @@ class _Policy:
             return redactor.text(self.url)
         name = self.script.name if self.script else "default"
         return f"scripted policy '{name}' (no model)"
+
+
+@dataclass(frozen=True)
+class _RelayAt:
+    """Where the relay listens, and the URL agents in remote sandboxes are told."""
+
+    host: str
+    port: int
+    url: str | None
+
+    def check(self) -> None:
+        if self.url is None:
+            return
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise typer.BadParameter(
+                f"{self.url!r} is not an http(s) URL with a host", param_hint="--relay-url"
+            )
+        if self.port == 0:
+            raise typer.BadParameter(
+                "an advertised URL needs a fixed port: give --relay-port (and the URL's port "
+                "where the relay is reached)",
+                param_hint="--relay-url",
+            )
 
 
 def _script_hash(path: Path | None) -> str | None:
@@ -426,7 +470,9 @@ class _Run:
             print(f"warning: cannot write the run's {METRICS_FILE}: {exc}", file=sys.stderr)
 
 
-async def _run(run: _Run, policy: _Policy, n_concurrent: int, display: ProgressDisplay) -> None:
+async def _run(
+    run: _Run, policy: _Policy, relay_at: _RelayAt, n_concurrent: int, display: ProgressDisplay
+) -> None:
     """Run the batch, writing each result as it arrives; stop early on a signal or a write
     error, recording the rollouts it cancels."""
     backend = run.target.backend
@@ -450,6 +496,9 @@ async def _run(run: _Run, policy: _Policy, n_concurrent: int, display: ProgressD
             request_token_ids=policy.token_ids,
             # Local sandboxes reach the relay through this socket, bound into each one.
             unix_socket_path=sockets / "relay.sock",
+            host=relay_at.host,
+            port=relay_at.port,
+            advertised_url=relay_at.url,
         ) as relay,
     ):
         # Every policy call goes through the relay, which holds the endpoint's key and records

@@ -51,7 +51,7 @@ from backends.harbor.files import (
 from backends.harbor.outcome import TrialOutcome, outcome_of
 from backends.harbor.sample import build_sample, phase_timings
 from backends.harbor.tasks import TASK_ID_KEY, render_instruction, resolve_task_id
-from backends.harbor.trial import forget_loggers, hold_no_log_file, run_to_end
+from backends.harbor.trial import create_trial, forget_loggers, run_to_end
 from backends.rollout.errors import (
     ErrorCategory,
     Phase,
@@ -228,8 +228,7 @@ class TrialPhases(RolloutPhases):
         self.settings.active_trials.add(self.trial_name)
         try:
             config = self._trial_config()
-            self.trial = await Trial.create(config)
-            hold_no_log_file(self.trial)
+            self.trial = await create_trial(config)
         except RolloutValidationError:
             raise
         except Exception as exc:  # a task Harbor cannot load, a sandbox refusing the task

@@ -1,4 +1,11 @@
-"""Running one Harbor ``Trial`` under our cancellation rules.
+"""Building and running one Harbor ``Trial`` under our cancellation rules.
+
+Building a trial for a local task is synchronous work behind Harbor's async ``Trial.create``
+(loading and validating the task, hashing its files for the trial's lock, making the trial's
+directories and loggers, constructing its environment): 10-20 ms of CPU in one piece. On the
+serving loop, with thousands of rollouts in flight, that piece was every other rollout's lag
+(the loop's p99 lag over 100 ms in ``bench_scale.py``), so it is built in a worker thread, and the task's hashes are computed once per version of the
+task (``backends.harbor.taskhash``).
 
 Harbor's trial cleans up when its task is cancelled once (records the cancellation, recovers
 outputs, stops the sandbox under ``asyncio.shield``) and re-raises. A cancel scope would
@@ -13,11 +20,38 @@ import contextlib
 import logging
 
 import anyio
+from harbor.models.trial.config import TrialConfig
 from harbor.models.trial.result import TrialResult
 from harbor.trial.trial import Trial
 
+from backends.harbor import taskhash
+
 # How long a cancelled trial may take to stop its sandbox before we stop waiting.
 TEARDOWN_TIMEOUT_SEC = 60.0
+# Trials built at once, each in a thread: CPU-bound, so more would only share the GIL.
+BUILDERS = anyio.CapacityLimiter(2)
+
+
+async def create_trial(config: TrialConfig) -> Trial:
+    """``Trial.create(config)``, run to completion in a worker thread on a loop of its own,
+    holding no file descriptor for its log (``hold_no_log_file``).
+
+    Nothing it makes is bound to that loop for a trial without a user agent (whose bridge
+    Harbor would start there), which is all this package builds. A cancelled caller waits
+    for the thread (milliseconds): nothing is left running.
+    """
+    taskhash.install()
+    if config.user_agent is not None:
+        trial = await Trial.create(config)
+        hold_no_log_file(trial)
+        return trial
+    return await anyio.to_thread.run_sync(_create_blocking, config, limiter=BUILDERS)
+
+
+def _create_blocking(config: TrialConfig) -> Trial:
+    trial = asyncio.run(Trial.create(config))
+    hold_no_log_file(trial)
+    return trial
 
 
 async def run_to_end(trial: Trial) -> TrialResult:

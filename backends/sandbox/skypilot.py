@@ -29,18 +29,20 @@ import binascii
 import inspect
 import io
 import logging
+import math
 import os
 import random
 import shlex
 import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import anyio
 import tenacity
@@ -49,7 +51,7 @@ from harbor.environments.base import ExecResult
 from harbor.environments.definition import effective_exec_cwd
 from harbor.models.task.config import NetworkMode
 
-from backends.sandbox import skyruns, skysdk, transfer, unpack
+from backends.sandbox import skylive, skyruns, skysdk, transfer, unpack
 from backends.sandbox.errors import (
     ExecTimeoutError,
     HostPrerequisiteError,
@@ -70,6 +72,9 @@ CLIENT_GRACE_SEC = 30.0  # past a command's timeout, how long the server may tak
 KILL_TIMEOUT_SEC = 30
 STAGING = "/tmp"
 EXEC_TAG = "BACKENDS_EXEC_ID"  # every command's processes carry it, to be found and killed
+SIGKILLED = 137  # a command's exit status when its pod went away under it (or the OOM killer)
+
+_T = TypeVar("_T")
 
 
 class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
@@ -92,6 +97,9 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
       dropped and said at the end of its stderr;
     - ``network``: ``"public"`` or ``"none"``, over the task's; without either the sandbox
       has no network unless the task asks for it itself (as local sandboxes);
+    - ``liveness_interval_sec``: while a command runs, how often the server's listing is
+      consulted for its pod (15 s; one listing per interval serves every command): a pod
+      gone under a command raises ``SandboxNotRunningError`` then, not at its timeout;
     - ``relay_url``: the relay as the pod reaches it (set by HarborBackend from the rollout's
       route); with a blocked network the sandbox is refused.
 
@@ -111,9 +119,11 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         network: str | None = None,
         max_output_bytes: int | str = 64 * 1024 * 1024,
         sdk_threads: int | str = 256,
+        liveness_interval_sec: float | str = skylive.DEFAULT_INTERVAL_SEC,
         **kwargs: Any,
     ) -> None:
         self._max_output = int(max_output_bytes)
+        self._liveness_interval = float(liveness_interval_sec)
         self._sdk_threads = int(sdk_threads)
         self._stopping = False
         if network not in (None, "public", "none", "no-network"):
@@ -189,7 +199,10 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
                     self.run.live.add(name)  # a half-made one is reaped at exit too
                     lifetime = _LIFETIME.set(self._ttl)
                     try:
-                        return await super()._create_sandbox(image)
+                        sandbox = await super()._create_sandbox(image)
+                        self.run.held.add(name)
+                        skylive.pods.created(name, (self._context_name, self._namespace))
+                        return sandbox
                     except BaseException:
                         # The server may have made it and the answer been lost: terminate
                         # it now, not at exit, before a retry makes another.
@@ -210,6 +223,7 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
             log.warning("%s: could not terminate after a failed create: %s", name, exc)
             return
         self.run.live -= set(done)
+        self.run.held -= set(done)
 
     async def start(self, force_build: bool) -> None:
         try:
@@ -225,6 +239,8 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
             with anyio.CancelScope(shield=True):
                 await super().stop(delete)
             self.run.live.discard(self._sandbox_name)
+            self.run.held.discard(self._sandbox_name)
+            skylive.pods.forget(self._sandbox_name)
 
     def _require_sandbox(self) -> Any:
         if self._sandbox is None:
@@ -297,39 +313,55 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         timeout_sec: float | None,
     ) -> ExecResult:
         sandbox = self._require_sandbox()
-        budget = min(int(timeout_sec or MAX_TIMEOUT_SEC) or MAX_TIMEOUT_SEC, MAX_TIMEOUT_SEC)
+        budget = min(timeout_sec or MAX_TIMEOUT_SEC, MAX_TIMEOUT_SEC)
+        # The server takes whole seconds (at least one) and is given a grace to report a
+        # timeout; a fraction of a second is cut here, as the local provider cuts it.
+        server_budget = max(1, math.ceil(budget))
+        deadline = budget if budget < server_budget else server_budget + CLIENT_GRACE_SEC
         tag = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         started = loop.time()
-        finished = False
+        finished = lost = False
+
+        async def run() -> tuple[int, str, str]:
+            handle = await sandbox.exec.aio(
+                *argv,
+                workdir=workdir,
+                timeout_seconds=server_budget,
+                env={**(env or {}), EXEC_TAG: tag},
+            )
+            return await _read_result(handle)
+
         try:
             # Deliberately not retried: once sent, the command may be running.
-            with anyio.fail_after(budget + CLIENT_GRACE_SEC):
-                handle = await sandbox.exec.aio(
-                    *argv,
-                    workdir=workdir,
-                    timeout_seconds=budget,
-                    env={**(env or {}), EXEC_TAG: tag},
-                )
-                code, out, err = await _read_result(handle)
-            finished = True
-        except TimeoutError:
-            raise ExecTimeoutError(f"command timed out after {budget} s (no answer)") from None
+            with anyio.move_on_after(deadline):
+                code, out, err = await self._unless_lost(run)
+                finished = True
+        except TimeoutError:  # the SDK's own
+            pass
         except Exception as exc:
             if self._stopping or self._sandbox is not sandbox:
                 raise SandboxNotRunningError(
                     "the sandbox was stopped while the command ran"
                 ) from exc
+            lost = isinstance(exc, SandboxNotRunningError) or await self._lost_now()
+            if lost:
+                raise self._lost_error() from exc
             raise
         finally:
-            if not self._stopping and (not finished or loop.time() - started >= budget):
+            if not (self._stopping or lost) and (not finished or loop.time() - started >= budget):
                 with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT_SEC):
                     await self._kill_tagged(tag)
         if self._stopping or self._sandbox is not sandbox:
             raise SandboxNotRunningError("the sandbox was stopped while the command ran")
+        if not finished:
+            answer = "" if deadline == budget else " (no answer)"
+            raise ExecTimeoutError(f"command timed out after {budget:g} s{answer}")
         if code != 0 and loop.time() - started >= budget:
             capped = " (the server's cap)" if (timeout_sec or 0) > MAX_TIMEOUT_SEC else ""
-            raise ExecTimeoutError(f"command timed out after {budget} s{capped}")
+            raise ExecTimeoutError(f"command timed out after {budget:g} s{capped}")
+        if code == SIGKILLED and await self._lost_now():  # the pod went, and its processes
+            raise self._lost_error()
         out, out_dropped = _cap(out, self._max_output)
         err, err_dropped = _cap(err, self._max_output)
         for stream, dropped in (("stdout", out_dropped), ("stderr", err_dropped)):
@@ -356,6 +388,46 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
             await _read_result(handle)
         except Exception as exc:  # the pod may be gone; its TTL and the reaper remain
             log.warning("%s: could not kill a timed-out command: %s", self._sandbox_name, exc)
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    async def _unless_lost(self, work: Callable[[], Awaitable[_T]]) -> _T:
+        """``await work()``, checking every ``liveness_interval_sec`` that the pod is still
+        there; raises ``SandboxNotRunningError`` once it is not (the work cancelled)."""
+        outcome: list[tuple[bool, Any]] = []
+        async with anyio.create_task_group() as tg:
+
+            async def working() -> None:
+                try:
+                    outcome.append((True, await work()))
+                except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
+                    outcome.append((False, exc))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(working)
+            while True:
+                await anyio.sleep(self._liveness_interval)
+                if await self._lost_now(fresher_than=self._liveness_interval / 2):
+                    tg.cancel_scope.cancel()
+                    break
+        if not outcome:
+            raise self._lost_error()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return cast(_T, value)
+
+    async def _lost_now(self, fresher_than: float = 0.0) -> bool:
+        """Whether a listing at most ``fresher_than`` seconds old no longer shows the pod."""
+        return await skylive.pods.lost(
+            self.sdk, self._sandbox_name, fresher_than=time.monotonic() - fresher_than
+        )
+
+    def _lost_error(self) -> SandboxNotRunningError:
+        return SandboxNotRunningError(
+            f"the SkyPilot sandbox {self._sandbox_name} is gone (terminated, past its "
+            "lifetime or its node lost) while a command ran"
+        )
 
     # -- files -------------------------------------------------------------------------------
 

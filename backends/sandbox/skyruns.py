@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ def runs_dir() -> Path:
 class Run:
     id: str
     registered: bool = False
-    live: set[str] = field(default_factory=set)  # names created and not yet terminated
+    live: set[str] = field(default_factory=set)  # names tried or created, not terminated
+    held: set[str] = field(default_factory=set)  # those of ``live`` the server said it made
 
     @property
     def record(self) -> Path:
@@ -72,7 +74,18 @@ class Run:
             try:
                 self.live -= release(skysdk.load(), sorted(self.live))
             except Exception as exc:
-                log.warning("could not terminate this run's SkyPilot sandboxes: %s", exc)
+                # Names whose create failed may never have been made: no one to warn about
+                # (the record stays, so the next start's reaper still looks for them).
+                held = sorted(self.live & self.held)
+                if held:
+                    log.warning(
+                        "could not terminate this run's SkyPilot sandboxes (%s): %s",
+                        ", ".join(held),
+                        exc,
+                    )
+                else:
+                    log.info("could not look for this run's failed SkyPilot creates: %s", exc)
+            self.held &= self.live
         if not self.live:
             with contextlib.suppress(FileNotFoundError):
                 self.record.unlink()
@@ -84,11 +97,15 @@ _current: Run | None = None
 counters = {"creates": 0, "create_retries": 0}
 
 
+_current_lock = threading.Lock()  # sandboxes are constructed in trial-building threads too
+
+
 def current() -> Run:
     global _current
-    if _current is None:
-        _current = Run(uuid.uuid4().hex[:8])
-    return _current
+    with _current_lock:
+        if _current is None:
+            _current = Run(uuid.uuid4().hex[:8])
+        return _current
 
 
 def sandbox_name(run: Run, session_id: str, retry: int = 1) -> str:

@@ -75,6 +75,9 @@ class Probe:
 
     def reset(self) -> None:
         gc.collect()
+        if os.environ.get("BENCH_GC_FREEZE"):
+            gc.freeze()
+        self.base_objects = len(gc.get_objects())
         self.lags: list[float] = []
         self.base_rss = rss_bytes()
         self.peak_rss = self.base_rss
@@ -82,6 +85,20 @@ class Probe:
         self.peak_threads = 0
         self.peak_fds = 0
         self.cpu = time.process_time()
+        self.gc_pauses: list[float] = []  # full (generation 2) collections, seconds each
+        self.gc_sec = 0.0  # every collection
+        self._gc_start = 0.0
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._gc_start
+        self.gc_sec += pause
+        if info["generation"] == 2:
+            self.gc_pauses.append(pause)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -102,6 +119,11 @@ class Probe:
                     self.peak_fds = max(self.peak_fds, len(os.listdir("/proc/self/fd")))
 
     def stats(self) -> dict[str, Any]:
+        if os.environ.get("BENCH_GC_TYPES"):
+            import collections
+
+            kinds = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+            print("gc-tracked objects by type:", kinds.most_common(40), flush=True)
         lags = sorted(self.lags) or [0.0]
         return {
             "lag_p50_ms": lags[len(lags) // 2] * 1000,
@@ -113,6 +135,10 @@ class Probe:
             "peak_threads": self.peak_threads,
             "peak_fds": self.peak_fds,
             "cpu_sec": time.process_time() - self.cpu,
+            "gc_sec": self.gc_sec,
+            "objects": (len(gc.get_objects()), self.base_objects, gc.get_freeze_count()),
+            "gc_full": len(self.gc_pauses),
+            "gc_full_max_ms": max(self.gc_pauses, default=0.0) * 1000,
             "sim": _sim_counters(),
             "create_retries": _create_retries(),
         }
@@ -320,7 +346,9 @@ def report(kind: str, r: dict[str, Any]) -> None:
         f"lost {r['lost']} | {r['finished']} finished in {r['window']:.0f} s, ok {r['success']}, "
         f"not ok {r['failures']} | "
         f"create retries {r['retries']} (sim failures {r['sim']['create_failures']}) | "
-        f"threads {r['peak_threads']} fds {r['peak_fds']}",
+        f"threads {r['peak_threads']} fds {r['peak_fds']} | "
+        f"gc {r.get('gc_sec', 0):.1f} s, {r.get('gc_full', 0)} full (max "
+        f"{r.get('gc_full_max_ms', 0):.0f} ms) objects {r.get('objects')}",
         flush=True,
     )
 

@@ -124,6 +124,12 @@ async def test_timeout_kills_tree(provider: Provider, tmp_path: Path) -> None:
         with anyio.move_on_after(0.5):
             await env.exec("sleep 1000")
         assert (await env.exec("ps -eo args | grep -c '^sleep 1000'")).stdout.strip() == "0"
+        # A fraction of a second is a timeout of its own, not "no limit" nor a whole second.
+        t0 = time.monotonic()
+        with pytest.raises(ExecTimeoutError, match="timed out"):
+            await env.exec("sleep 10; echo done", timeout_sec=0.5)  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 5
+        assert (await env.exec("echo fast", timeout_sec=2.5)).stdout == "fast\n"  # type: ignore[arg-type]
     finally:
         await env.stop(delete=True)
 

@@ -32,6 +32,10 @@ from backends.sandbox.errors import ExecTimeoutError
 from backends.sandbox.local import LocalSandbox
 
 POD_PIDS_LIMIT = 256  # as a kubelet's podPidsLimit would set
+# What a command's waiter hears when its pod is terminated under it. SkyPilot does not say:
+# "killed" answers exit 137 (the pod's processes were killed); "hang" never answers, as a
+# stream whose far end vanished without closing. Set in the server's environment.
+LOST_EXECS_ENV = "FAKE_SKY_LOST_EXECS"
 
 
 @dataclass
@@ -161,6 +165,8 @@ class FakeServer:
         except asyncio.CancelledError:
             if not task.cancelled():
                 raise
+            if os.environ.get(LOST_EXECS_ENV) == "hang":
+                await asyncio.Event().wait()  # until the client gives up
             code, out, err = 137, b"", b"sandbox terminated\n"
         self.execs.pop(body["id"], None)
         pod.execs.pop(body["id"], None)
