@@ -341,3 +341,9 @@ class BlocksTestsDir(_ShellAgent):
     """Leaves a file where the tests are uploaded."""
 
     script = "rm -rf /tests; echo x > /tests"
+
+
+class LinksLogsToCwd(_ShellAgent):
+    """Makes /logs a link each process resolves to its own working directory."""
+
+    script = "rm -rf /logs && ln -s /proc/self/cwd /logs"

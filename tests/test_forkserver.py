@@ -322,6 +322,23 @@ async def test_a_server_that_cannot_start_says_why_and_nothing_ran(
         broken.close()
 
 
+async def test_a_preload_that_shares_writable_memory_is_refused(
+    host: LocalSandbox, trials: list[LocalSandbox], probes: Path
+) -> None:
+    # An anonymous mmap is shared: every fork would write through to it, and one rollout's
+    # data would reach the next one forked from the same server.
+    (probes / "sharer.py").write_text(
+        "import mmap\nboard = []\ndef make():\n    board.append(mmap.mmap(-1, 4096))\n"
+    )
+    sharing = ForkServers(host.sandbox, python=PYTHON, cwd=str(probes), preload=("sharer:make", []))
+    try:
+        with pytest.raises(ForkServerUnavailable, match="shared writable memory"):
+            await trials[0].exec_forked(sharing, [PYTHON, "-m", "sleeper", "0"], env=ENV)
+        assert sharing.servers() == []
+    finally:
+        sharing.close()
+
+
 def test_a_crashed_owner_leaves_no_fork_server(tmp_path: Path) -> None:
     """The owner SIGKILLed: its spawner ends the host sandbox, servers included."""
     script = tmp_path / "owner.py"

@@ -152,7 +152,7 @@ async def test_an_agent_cannot_end_its_sandbox_to_escape_its_reward(
     assert result.extra_fields["harbor"]["attempt"] == 1
 
 
-@pytest.mark.parametrize("agent", ["FillsVerifierDir", "BlocksTestsDir"])
+@pytest.mark.parametrize("agent", ["FillsVerifierDir", "BlocksTestsDir", "LinksLogsToCwd"])
 async def test_what_the_agent_leaves_in_the_graders_way_gives_its_reward_not_a_retry(
     tmp_path: Path, agent: str
 ) -> None:

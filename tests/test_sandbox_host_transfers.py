@@ -17,6 +17,7 @@ from harbor.environments.base import BaseEnvironment
 
 from backends.sandbox.contract import PROVIDERS
 from backends.sandbox.errors import ExecTimeoutError
+from backends.sandbox.unpack import DownloadTooLargeError
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -308,3 +309,12 @@ async def test_uploads_into_a_setgid_directory_are_roots_as_tar_makes_them(
     await env.upload_dir(src, "/t1")
     listing = await sh(env, "stat -c '%n %U:%G %a' /t1/test.sh /t1/sub")
     assert listing.splitlines() == ["/t1/test.sh root:root 4775", "/t1/sub root:root 2775"]
+
+
+async def test_a_sparse_native_trajectory_is_refused_before_the_host_parses_it(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    # Harbor's mini-swe-agent class reads this file whole after every trial.
+    await sh(env, "truncate -s 1G /logs/agent/mini-swe-agent.trajectory.json")
+    with pytest.raises(DownloadTooLargeError, match=r"mini-swe-agent\.trajectory\.json"):
+        await env.download_dir("/logs/agent", tmp_path / "agent")

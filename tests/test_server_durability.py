@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -90,3 +93,18 @@ def test_sigterm_drains_finishes_or_cancels_then_exits(tmp_path: Path) -> None:
     with server_process(tmp_path, state) as (_, url), httpx.Client(base_url=url) as http:
         assert result(http, "quick", quick)["status"] == "success"
         assert result(http, "stuck", stuck)["status"] == "cancelled"
+
+
+def test_an_open_server_beyond_loopback_is_refused_without_a_key(tmp_path: Path) -> None:
+    """Sandboxes with public network reach the host's non-loopback addresses: an open server
+    there would let any agent start or cancel rollouts."""
+    main = tmp_path / "main.py"
+    main.write_text("backend = None\n")
+    script = Path(sys.executable).with_name("backends")
+    env = {k: v for k, v in os.environ.items() if k != "BACKENDS_SERVER_API_KEY"}
+    refused = subprocess.run(
+        [str(script), "serve", f"{main}:backend", "--host", "0.0.0.0"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "--api-key" in refused.stderr and "--no-api-key" in refused.stderr

@@ -22,7 +22,13 @@ from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 from harbor.models.trajectories import Trajectory
 
+from backends.bundle.models import read_bounded
 from backends.runtimes.build import RuntimeManifest
+from backends.sandbox.unpack import PARSED_FILE_LIMITS
+
+# What the host reads of the trial's trajectories, which the sandbox wrote (the download
+# refuses larger ones already, by name).
+TRAJECTORY_LIMIT = PARSED_FILE_LIMITS["mini-swe-agent.trajectory.json"]
 
 
 class RuntimeMissingError(RuntimeError):
@@ -100,8 +106,10 @@ class MiniSweAgent(PreparedRuntimeAgent, HarborMiniSweAgent):
         super().populate_context_post_run(context)
         atif, native = self.logs_dir / "trajectory.json", self._mini_swe_agent_trajectory_path
         try:
-            trajectory = Trajectory.model_validate_json(atif.read_text())
-            messages = json.loads((self.logs_dir / native.name).read_text())["messages"]
+            trajectory = Trajectory.model_validate_json(read_bounded(atif, TRAJECTORY_LIMIT))
+            messages = json.loads(read_bounded(self.logs_dir / native.name, TRAJECTORY_LIMIT))[
+                "messages"
+            ]
         except (OSError, ValueError, KeyError, TypeError):
             return  # no trajectory to mend (Harbor logged why)
         # The sandbox wrote that file: take from it only what has the expected shape.

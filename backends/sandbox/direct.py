@@ -303,33 +303,61 @@ class SandboxRoot:
 
     def replace_dirs(self, dirs: dict[str, int], watch: Watch) -> None:
         """Put an empty root-owned directory of the given mode at each sandbox path, moving
-        whatever stood there (a file, a link, a tree of any depth) aside in its parent."""
+        whatever stood there (a file, a link, a tree of any depth) aside in its parent.
+
+        The path itself is made of real directories too: a link or a file in place of a
+        parent (`/logs -> /proc/self/cwd`, which resolves to each reader's own directory) is
+        moved aside and replaced, so every later reader of the path finds this directory.
+        """
         ids = _FilesystemIds(self.uid, self.gid)
         with self._root() as root, ids.sandbox():
             for path, mode in dirs.items():
                 watch.check()
-                parent_path, name = path.rstrip("/").rsplit("/", 1)
-                parent = self._make_dirs(root, parent_path or "/")
+                *parents, name = [p for p in path.split("/") if p]
+                fd = os.dup(root)
                 try:
-                    aside = f".backends-replaced-{name}-{uuid.uuid4().hex[:12]}"
-                    try:
-                        # Never a mount point (EXDEV here): renaming it from the host would
-                        # detach the mount, which sandbox root cannot do.
-                        os.close(_openat2(parent, name, os.O_PATH | os.O_NOFOLLOW, _CHILD))
-                        os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
-                    except FileNotFoundError:
-                        pass
-                    os.mkdir(name, 0o700, dir_fd=parent)
-                    fd = _openat2(parent, name, os.O_RDONLY | os.O_DIRECTORY, _CHILD)
-                    try:
-                        self._own_by_root(fd)
-                        os.fchmod(fd, mode)
-                    finally:
-                        os.close(fd)
-                except OSError as e:  # a mount point (EBUSY), a race: `rm -rf` inside then
+                    for part in parents:
+                        parent, fd = fd, -1
+                        try:
+                            fd = self._real_dir(parent, part, 0o755, fresh=False)
+                        finally:
+                            os.close(parent)
+                    os.close(self._real_dir(fd, name, mode, fresh=True))
+                except OSError as e:  # a race: `rm -rf` inside then
                     raise Unsupported(f"cannot replace {path}: {e.strerror}") from None
                 finally:
-                    os.close(parent)
+                    if fd >= 0:
+                        os.close(fd)
+
+    def _real_dir(self, parent: int, name: str, mode: int, *, fresh: bool) -> int:
+        """The fd of directory `name` in `parent`, on a mount of the sandbox's own and
+        reached through no link; what stands there otherwise is moved aside for a new one.
+        With `fresh`, a directory there is moved aside too."""
+        try:
+            fd = _openat2(parent, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, _CHILD)
+        except OSError as e:
+            if e.errno == errno.EXDEV:  # a mount point: renaming it would detach it
+                raise Unsupported(f"{name} is a mount point") from None
+            if e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise
+        else:
+            if not fresh and _mount_id(fd) in self.own_mounts:
+                return fd
+            os.close(fd)
+            if not fresh:
+                raise Unsupported(f"{name} is not on a filesystem of the sandbox's own")
+        with contextlib.suppress(FileNotFoundError):
+            aside = f".backends-replaced-{name}-{uuid.uuid4().hex[:12]}"
+            os.rename(name, aside, src_dir_fd=parent, dst_dir_fd=parent)
+        os.mkdir(name, 0o700, dir_fd=parent)
+        fd = _openat2(parent, name, os.O_RDONLY | os.O_DIRECTORY, _CHILD)
+        try:
+            self._own_by_root(fd)
+            os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _own_by_root(self, fd: int) -> None:
         """Root's group too (in a setgid directory a new entry takes the directory's group),

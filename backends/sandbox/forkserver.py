@@ -133,6 +133,13 @@ class ForkServer:
                 raise ForkServerUnavailable(
                     f"the fork server failed to start: {reply.get('error')}"
                 )
+            if shared := shared_writable_mappings(proc.pid):
+                # Every fork writes through to such pages (an anonymous mmap is shared by
+                # default): one rollout's data would reach the next one forked here.
+                raise ForkServerUnavailable(
+                    "the preload made shared writable memory, which forks would share: "
+                    + "; ".join(shared[:3])
+                )
         except (OSError, TimeoutError, ValueError) as e:
             server.close()
             errors.seek(0)
@@ -305,6 +312,13 @@ class ForkedProcess(launcher.SandboxProcess):
         # No code: the launcher was killed (with it, the command, by its parent-death signal).
         code = struct.unpack("=i", self._got[:4])[0] if len(self._got) >= 4 else -signal.SIGKILL
         self._exited(code)
+
+
+def shared_writable_mappings(pid: int) -> list[str]:
+    """The mappings of process `pid` that its forks would share and could write (`rw-s`)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        rows = [line.split(maxsplit=5) for line in maps]
+    return [" ".join(r[5:]).strip() or r[0] for r in rows if r[1][:2] == "rw" and r[1][3] == "s"]
 
 
 def open_namespaces(pidfd: int) -> list[int]:

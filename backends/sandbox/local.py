@@ -6,7 +6,6 @@ Load it in Harbor with `EnvironmentConfig(import_path="backends.sandbox.local:Lo
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
@@ -31,6 +30,7 @@ from harbor.environments.definition import require_agent_environment_definition
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import EnvironmentPaths
 
+from backends.net import is_loopback
 from backends.sandbox import direct, layers, transfer, unpack
 from backends.sandbox.cgroups import Limits
 from backends.sandbox.errors import (
@@ -99,15 +99,6 @@ def _host_mount_binds(mounts: Iterable[Any]) -> list[Bind]:
             Bind(Path(mount["source"]), str(mount["target"]), bool(mount.get("read_only")))
         )
     return _parse_binds(binds)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 DEFAULT_MAX_DOWNLOAD = 16 * 1024**3
@@ -292,7 +283,7 @@ class LocalSandbox(CheckedDownloads):
         """
         policy = network_policy or self.network_policy
         if policy.network_mode == NetworkMode.ALLOWLIST and all(
-            _is_loopback(host) for host in policy.allowed_hosts
+            is_loopback(host) for host in policy.allowed_hosts
         ):
             return
         super().validate_network_policy_support(network_policy)

@@ -43,6 +43,8 @@ PARSED_FILE_LIMITS = {
     "reward.json": 1024 * 1024,
     "trajectory.json": 64 * 1024 * 1024,
     "ctrf.json": 64 * 1024 * 1024,
+    # Harbor's mini-swe-agent class (and ours, backends.runtimes) parse the native one.
+    "mini-swe-agent.trajectory.json": 64 * 1024 * 1024,
 }
 # Host-side mode mask: rwxr-xr-x at most.
 MODE_MASK = 0o755
@@ -364,13 +366,17 @@ def into_members(
                 p for p in _links_under(root_fd) if not resolves_beneath(root_fd, p)
             }
         try:
+            came = False
             for member, copy in members:
+                came = True
                 if rename_single is not None:
                     _check_single(member)
                     member = member.replace(name=rename_single, deep=False)
                 _extract_member(state, member, copy)
                 if rename_single is not None:
                     break
+            if rename_single is not None and not came:  # tar skips a socket, say
+                raise FileNotFoundError(f"the download of {rename_single} holds no file")
             for parts, mode in reversed(state.modes):
                 os.chmod(state.directory(parts), mode)
             if rename_single is None:

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 import uvicorn
 
+from backends.net import is_loopback
 from backends.rollout.loading import load_object
 from backends.server.app import RolloutServer, create_rollout_server
 
@@ -64,6 +65,13 @@ def serve_command(
             help="Route policy calls through a rollout-scoped relay; results carry policy_trace.",
         ),
     ] = False,
+    no_api_key: Annotated[
+        bool,
+        typer.Option(
+            "--no-api-key",
+            help="Listen on a non-loopback address without --api-key anyway (read the docs).",
+        ),
+    ] = False,
 ) -> None:
     """Load ``entrypoint`` and serve it until a signal drains it.
 
@@ -71,6 +79,15 @@ def serve_command(
     with the server: agents never see the trainer's key, and each result carries the
     ``policy_trace`` (token ids and logprobs when the endpoint sends them).
     """
+    if not is_loopback(host) and not api_key and not no_api_key:
+        # Sandboxes with public network reach the host's non-loopback addresses: any agent
+        # could start or cancel every rollout of an open server.
+        raise typer.BadParameter(
+            f"--host {host} listens beyond this machine, where the sandboxes' agents (public "
+            "network) reach it too: set --api-key (or BACKENDS_SERVER_API_KEY), or pass "
+            "--no-api-key if the server's own settings or the network keep them out",
+            param_hint="--host",
+        )
     app = load_app(
         entrypoint,
         state_file=state_file,
