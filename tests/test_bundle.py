@@ -292,9 +292,10 @@ async def test_the_label_is_nowhere_in_the_sandbox_and_there_is_no_network(
 ) -> None:
     label = "CANARY-" + uuid.uuid4().hex
     planted = "CANARY-" + uuid.uuid4().hex  # in the metadata, which does enter: proves the search
-    result = await run_one(
-        relay, in_sandbox(tmp_path, "Snoops"), label=label, metadata={"note": planted}
-    )
+    backend = in_sandbox(tmp_path, "Snoops")
+    result = await run_one(relay, backend, label=label, metadata={"note": planted})
+    assert _warm_servers(backend)  # forked from a warm runner, which never saw the label
+    await backend.aclose()
     assert result.status is RolloutStatus.SUCCESS, result.failure
     assert result.sample is not None
     report = result.sample.messages[-1]["content"]
@@ -428,6 +429,8 @@ async def test_arithmetic_in_sandboxes_matches_local_backend_row_by_row(
     )
     in_process = await collect(RelayedBackend(local, relay), requests)
     inside = await collect(RelayedBackend(sandboxed, relay), requests)
+    assert _warm_servers(sandboxed)  # forked from warm runners (one per uid range)
+    await sandboxed.aclose()
     by_id = {r.rollout_id: r for r in in_process}
     assert len(inside) == len(requests) == len(by_id)
     for result in inside:
@@ -439,6 +442,77 @@ async def test_arithmetic_in_sandboxes_matches_local_backend_row_by_row(
         ), result.rollout_id
         assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
     assert {r.reward for r in inside} <= {0.0, 1.0}
+
+
+def _warm_servers(backend: HarborBackend) -> list[Any]:
+    plan = backend.settings.workflow
+    assert plan is not None
+    servers = plan.warm._servers if plan.warm is not None else None
+    return servers.servers() if servers is not None else []
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_repeat_rollouts_fork_from_the_warm_runner_and_match_a_cold_one(
+    tmp_path: Path, relay: Relay
+) -> None:
+    warm = in_sandbox(tmp_path / "warm", "ReportsParent")
+    cold = in_sandbox(tmp_path / "cold", "ReportsParent")
+    assert cold.settings.workflow is not None
+    cold.settings.workflow.fork_server = False
+    try:
+        first, repeat = [await run_one(relay, warm) for _ in range(2)]
+        baseline = await run_one(relay, cold)
+        servers = _warm_servers(warm)
+    finally:
+        await warm.aclose()
+        await cold.aclose()
+    for result in (first, repeat, baseline):
+        assert result.status is RolloutStatus.SUCCESS, result.failure
+        assert result.reward == 0.5 and result.sample is not None
+        assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
+    assert first.sample and repeat.sample and baseline.sample
+    assert first.sample.messages == repeat.sample.messages == baseline.sample.messages
+    # Forked, both: the runner's parent is outside the trial's pid namespace.
+    assert first.sample.metrics["parent_visible"] == repeat.sample.metrics["parent_visible"] == 0
+    assert baseline.sample.metrics["parent_visible"] == 1
+    # From the server the project's warm-up ran in (a cold runner never calls it).
+    assert first.sample.metrics["warmed_up"] == repeat.sample.metrics["warmed_up"] == 1
+    assert baseline.sample.metrics["warmed_up"] == 0
+    assert len(servers) == 1  # one server (one uid range) served both
+    # aclose() ended it.
+    assert not await anyio.Path(f"/proc/{servers[0].proc.pid}").exists()
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_killing_the_warm_runner_mid_batch_loses_no_rollout(
+    tmp_path: Path, relay: Relay
+) -> None:
+    backend = in_sandbox(tmp_path, "ReportsParent", max_concurrent=3)
+    results: list[RolloutResult] = []
+    killed: list[int] = []
+
+    async def one() -> None:
+        results.append(await run_one(relay, backend))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(one)
+            with anyio.fail_after(900):
+                while not results:  # the first rollouts went through a server
+                    await anyio.sleep(0.05)
+            for server in _warm_servers(backend):
+                os.kill(server.proc.pid, 9)
+                killed.append(server.proc.pid)
+    finally:
+        await backend.aclose()
+    assert killed
+    assert len(results) == 8
+    for result in results:
+        assert result.status is RolloutStatus.SUCCESS, result.failure
+        assert result.reward == 0.5
 
 
 def test_a_bundle_opens_from_its_folder(tmp_path: Path) -> None:

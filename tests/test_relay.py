@@ -621,3 +621,42 @@ async def test_a_request_on_a_connection_the_upstream_just_dropped_is_resent() -
     finally:
         server.close()
     assert received == 3  # the dropped request was sent again on a fresh connection
+
+
+async def test_an_upstream_echoing_its_key_inside_a_200_answer_is_scrubbed() -> None:
+    """vLLM reports errors raised during generation inside a 200 stream: an echoed key is
+    masked there too, even split across the upstream's writes, and in a 200 body."""
+    half = len(KEY) // 2
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):
+            return web.json_response({"error": {"message": f"key {KEY} rejected"}})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f'data: {{"error": {{"message": "key {KEY[:half]}'.encode())
+        await anyio.sleep(0.05)
+        await response.write(f'{KEY[half:]} rejected"}}}}\n\n'.encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with Relay(upstream_url=f"http://127.0.0.1:{port}/v1", upstream_api_key=KEY) as relay:
+            grant = relay.register("r1")
+            seen = []
+            async with aiohttp.ClientSession() as http:
+                url = grant.base_url + "/chat/completions"
+                headers = {"authorization": f"Bearer {grant.token}"}
+                for stream in (False, True):
+                    body = {"messages": PROMPT, "stream": stream}
+                    async with http.post(url, json=body, headers=headers) as r:
+                        seen.append(await r.text())
+            relay.end("r1")
+    finally:
+        await runner.cleanup()
+    assert all("***" in text and KEY not in text for text in seen), seen

@@ -10,6 +10,7 @@ cost on a fresh machine, about a minute); later runs find it in the cache.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from backends.runtimes import (
     RuntimeBuildError,
     ensure_runtime,
     runtime_for,
+    runtimes_dir,
 )
 from backends.runtimes.agents import MiniSweAgent
 from backends.trajectory.save import trajectory_of
@@ -48,13 +50,22 @@ ExactAnswer = load_object(f"{ROOT}/tasks/rollouts/harbor/main.py:ExactAnswer")
 OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
 
 
+# Saves the environment the agent was given, and tries to plant a file in every folder on its
+# PATH (the runtime's among them) and beside the Python running it, listing where that worked.
+SPY = (
+    "env > /logs/artifacts/env.txt; "
+    'for d in $(echo "$PATH" | tr : " ") "$(dirname "$(readlink -f "$(command -v '
+    f'mini-swe-agent)")")" {sys.base_prefix}/bin; do touch "$d/planted" 2>/dev/null '
+    '&& echo "$d"; done > /logs/artifacts/writable.txt; '
+)
+
+
 def spying_script() -> Script:
-    """The repository's script, except that the agent's first command also saves the
-    environment it was given where the host collects artifacts."""
+    """The repository's script, except that the agent's first command spies first."""
     data = json.loads(SCRIPT.read_text())
     for rule in data["rules"]:
         call = rule["turns"][0]["tool_calls"][0]["arguments"]
-        call["command"] = "env > /logs/artifacts/env.txt; " + call["command"]
+        call["command"] = SPY + call["command"]
     return Script.model_validate(data)
 
 
@@ -125,6 +136,18 @@ def check_solved(result: Any, tmp_path: Path) -> None:
     env = seen.read_text()
     assert f"OPENAI_BASE_URL=http://127.0.0.1:18080/rollouts/{result.rollout_id}/v1" in env
     assert UPSTREAM_KEY not in env
+    # The runtime is read-only to the agent: nothing it plants reaches the next rollout.
+    path = next(line for line in env.splitlines() if line.startswith("PATH="))
+    on_path = [
+        d for d in path.removeprefix("PATH=").split(":") if d.startswith(str(runtimes_dir()))
+    ]
+    assert len(on_path) == 1 and on_path[0].endswith("/bin"), path  # its bin/, not the venv's
+    writable = (seen.parent / "writable.txt").read_text().split()
+    assert "/usr/local/bin" in writable  # the control: the spy plants where it may
+    assert not [d for d in writable if d.startswith(str(runtimes_dir()))], writable
+    assert not list(runtimes_dir().glob("*/*/planted")) and not list(
+        runtimes_dir().glob("*/planted")
+    )
     trial = tmp_path / "trials"
     written = "".join(p.read_text(errors="replace") for p in trial.rglob("*") if p.is_file())
     assert UPSTREAM_KEY not in written
@@ -321,3 +344,98 @@ def test_backends_run_drives_mini_swe_agent_with_a_policy_script(tmp_path: Path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == 2, summary
+
+
+@pytest.mark.sandbox
+async def test_an_agent_user_that_cannot_run_the_runtime_is_told_why(
+    tmp_path: Path, relay: Relay
+) -> None:
+    """A task whose agent runs as a non-root user: the host's Python is bound under a folder
+    that user cannot enter, so the agent's setup fails saying so (never a reward)."""
+    backend = mini(tmp_path, tasks_dir=TASKS, task_mode="dataset", infra_attempts=1)
+    request = RolloutRequest(
+        rollout_id="mini-nonroot", prompt=[], metadata={"harbor_task_id": "nonroot-agent"}
+    )
+    [result] = await collect(RelayedBackend(backend, relay), [request])
+    await backend.aclose()
+    assert result.reward is None and result.failure is not None
+    assert result.failure.category == "infra_error", result.failure
+    assert "user (agent) cannot run it" in result.failure.message, result.failure.message
+    assert result.policy_trace is not None and not result.policy_trace.calls
+
+
+@pytest.mark.sandbox
+def test_backends_runtime_build_and_list(tmp_path: Path) -> None:
+    """`backends runtime build` prepares a runtime ahead of any run (a set-up step);
+    an unknown name is refused with exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "backends.cli", "runtime", *args],
+            cwd=ROOT, env={**os.environ, "BACKENDS_HOME": str(tmp_path)},
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+
+    built = cli("build", "mini-swe-agent", "--json")
+    assert built.returncode == 0, built.stderr[-3000:]
+    manifest = json.loads(built.stdout.strip().splitlines()[-1])
+    assert manifest["version"] == "2.4.6" and manifest["commands"] == ["mini-swe-agent"]
+    assert Path(manifest["path"], "bin", "mini-swe-agent").exists()
+    listed = cli("list")
+    assert listed.returncode == 0 and manifest["path"] in listed.stdout
+    unknown = cli("build", "no-such-agent")
+    assert unknown.returncode == 2 and "no runtime recipe for no-such-agent" in unknown.stderr
+
+
+def test_tool_results_are_linked_only_from_a_well_formed_native_trajectory(
+    tmp_path: Path,
+) -> None:
+    """The agent's own trajectory comes from the sandbox: ids of the wrong type or for no call
+    of the step are not taken; a well-formed one links each result to its call, by content."""
+    from harbor.models.agent.context import AgentContext
+    from harbor.models.trajectories import Trajectory
+
+    from backends.runtimes.build import RuntimeManifest
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    manifest = RuntimeManifest(
+        name="mini-swe-agent", kind="python", key="k", packages={}, version="2.4.6",
+        commands=["mini-swe-agent"], env={}, size_bytes=0, build_sec=0.0,
+    )  # fmt: skip
+    (runtime / ".complete").write_text(manifest.model_dump_json())
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    agent = MiniSweAgent(logs_dir=logs, model_name="openai/policy", runtime_dir=str(runtime))
+    call = {"id": "call_0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+    native = {
+        "info": {},
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "task"},
+            {"role": "assistant", "content": "run it", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "out"},
+            {"role": "user", "content": "format error: try again"},
+        ],
+    }
+    path = logs / "mini-swe-agent.trajectory.json"
+    agent.populate_context_post_run(AgentContext())  # none written: nothing to do
+    # Ids of the wrong type, or answering no call of the step, are not taken.
+    bad = json.loads(json.dumps(native))
+    bad["messages"][3]["tool_call_id"] = 7
+    bad["messages"].insert(4, {"role": "tool", "tool_call_id": "call_9", "content": "out"})
+    path.write_text(json.dumps(bad))
+    agent.populate_context_post_run(AgentContext())
+    trajectory = Trajectory.model_validate_json((logs / "trajectory.json").read_text())
+    assert not [r.source_call_id for s in trajectory.steps if s.observation
+                for r in s.observation.results if r.source_call_id]  # fmt: skip
+    path.write_text(json.dumps(native))
+    agent.populate_context_post_run(AgentContext())
+    trajectory = Trajectory.model_validate_json((logs / "trajectory.json").read_text())
+    [step] = [s for s in trajectory.steps if s.source == "agent"]
+    assert step.observation is not None
+    results = [(r.content, r.source_call_id) for r in step.observation.results]
+    assert results == [("out", "call_0"), ("format error: try again", None)]

@@ -12,6 +12,7 @@ runner with the bundle's Python, and brings the output out.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import tempfile
 import uuid
@@ -20,7 +21,7 @@ from typing import Any
 
 import anyio
 from harbor.agents.base import BaseAgent
-from harbor.environments.base import BaseEnvironment
+from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.models.agent.context import AgentContext
 from harbor.models.task.config import TaskConfig as HarborTaskConfig
 
@@ -33,14 +34,18 @@ from backends.bundle.models import (
     RunnerOutput,
     read_bounded,
 )
+from backends.bundle.warm import WarmRunner
 from backends.rollout.errors import ErrorCategory, Phase, RolloutFailure
 from backends.rollout.loading import load_object
 from backends.rollout.request import RolloutRequest
 from backends.rollout.route import PolicyRoute
 from backends.rollout.sample import RolloutSample
 from backends.rollout.workflow import AgentWorkflow
-from backends.sandbox.local import DEFAULT_RELAY_PORT
+from backends.sandbox.forkserver import ForkServerUnavailable
+from backends.sandbox.local import DEFAULT_RELAY_PORT, LocalSandbox
 from backends.trajectory.preview import MAX_PREVIEW_STEPS
+
+log = logging.getLogger(__name__)
 
 BUNDLE_AGENT = "backends.bundle.agent:BundleAgent"
 OUTPUT_FILE = "runner_output.json"
@@ -48,6 +53,8 @@ INPUT_FILE = "runner_input.json"
 PREVIEW_FILE = "runner_preview.json"
 PREVIEW_INTERVAL_SEC = 2.0
 ARTIFACTS_DIR = "/logs/artifacts"  # Harbor collects it like any agent's artifacts
+# PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
+RUNNER_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class BundleRunnerError(RuntimeError):
@@ -63,6 +70,9 @@ class WorkflowPlan:
         self.workflow_config = workflow_config
         self.environment: Environment | None = None
         self.preview_interval_sec = PREVIEW_INTERVAL_SEC
+        # Rollouts fork from a warm runner (the entrypoint imported once) when it can serve.
+        self.fork_server = True
+        self.warm: WarmRunner | None = None
         self._lock = anyio.Lock()
         self._key = uuid.uuid4().hex  # this plan's rollouts in the live-preview registry
 
@@ -126,7 +136,24 @@ class WorkflowPlan:
                 except BaseException:
                     bundle.release()
                     raise
+                if self.fork_server:
+                    self.warm = _WARM[self._key] = WarmRunner(
+                        self.environment,
+                        entrypoint=self.entrypoint,
+                        workflow_config=self.workflow_config,
+                        image_dir=image_dir,
+                        docker_image=image,
+                        name=f"fork-server-{self._key[:8]}",
+                    )
             return self.environment
+
+    async def aclose(self) -> None:
+        """End the warm runner, then ``close()``."""
+        warm, self.warm = self.warm, None
+        _WARM.pop(self._key, None)
+        if warm is not None:
+            await warm.aclose()
+        self.close()
 
     def close(self) -> None:
         """Let the cache prune this plan's bundle and environment again."""
@@ -164,6 +191,7 @@ class WorkflowPlan:
             "runner_input": self.runner_input(request).model_dump(mode="json"),
             "python": str(self.environment.python),
             "live_key": f"{self._key}/{request.rollout_id}",
+            "warm_key": self._key if self.warm is not None else None,
         }
 
     def live_context(self, rollout_id: str) -> LivePreview | None:
@@ -247,6 +275,8 @@ class LivePreview:
 
 # Rollouts whose runner runs now, by "<plan key>/<rollout id>".
 _LIVE: dict[str, LivePreview] = {}
+# Plans' warm runners, by plan key.
+_WARM: dict[str, WarmRunner] = {}
 
 
 def _agent_failure(message: str) -> RolloutFailure:
@@ -264,6 +294,7 @@ class BundleAgent(BaseAgent):
         runner_input: dict[str, Any] | None = None,
         python: str = "",
         live_key: str | None = None,
+        warm_key: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(logs_dir, model_name, *args, **kwargs)
@@ -272,6 +303,7 @@ class BundleAgent(BaseAgent):
         self.runner_input = RunnerInput.model_validate(runner_input)
         self.python = python
         self.live_key = live_key
+        self.warm_key = warm_key
 
     @staticmethod
     def name() -> str:
@@ -281,6 +313,8 @@ class BundleAgent(BaseAgent):
         return "1"
 
     async def setup(self, environment: BaseEnvironment) -> None:
+        if isinstance(environment, LocalSandbox):
+            return  # HarborBackend bound the environment in (WorkflowPlan.environment_kwargs)
         result = await environment.exec(f"test -x {self.python}", user="root")
         if result.return_code != 0:
             raise BundleRunnerError(
@@ -295,24 +329,14 @@ class BundleAgent(BaseAgent):
         spec = self.runner_input
         if self.live_key:
             spec = spec.model_copy(update={"preview_file": f"{agent_dir}/{PREVIEW_FILE}"})
-        with tempfile.TemporaryDirectory() as scratch:
-            local = Path(scratch) / INPUT_FILE
-            local.write_text(spec.model_dump_json())
-            await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
-        command = (
-            f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
-            f"{agent_dir}/{INPUT_FILE} {agent_dir}/{OUTPUT_FILE}; status=$?; "
-            f"rm -f {agent_dir}/{INPUT_FILE}; exit $status"
-        )
-        if self.live_key:  # the host may preview the rollout meanwhile
+            # The host may preview the rollout meanwhile.
             _LIVE[self.live_key] = LivePreview(
                 environment, f"{agent_dir}/{PREVIEW_FILE}", self.runner_input.api_key
             )
         try:
-            # PYTHONDONTWRITEBYTECODE: the environment is read-only and compiled already.
-            result = await environment.exec(
-                command, env={"PYTHONDONTWRITEBYTECODE": "1"}, user=None
-            )
+            result = await self._run_forked(environment, spec)
+            if result is None:
+                result = await self._run_cold(environment, spec, agent_dir)
         finally:
             if self.live_key:
                 _LIVE.pop(self.live_key, None)
@@ -325,3 +349,43 @@ class BundleAgent(BaseAgent):
         if result.return_code != 0:
             detail = (result.stderr or result.stdout or "").strip()[-4000:]
             raise BundleRunnerError(f"the runner exited {result.return_code}: {detail}")
+
+    async def _run_cold(
+        self, environment: BaseEnvironment, spec: RunnerInput, agent_dir: str
+    ) -> ExecResult:
+        """The runner in a fresh interpreter: its input and output as files in the sandbox."""
+        with tempfile.TemporaryDirectory() as scratch:
+            local = Path(scratch) / INPUT_FILE
+            local.write_text(spec.model_dump_json())
+            await environment.upload_file(local, f"{agent_dir}/{INPUT_FILE}")
+        files = f"{agent_dir}/{INPUT_FILE} {agent_dir}/{OUTPUT_FILE}"
+        command = (
+            f"cd {self.runner_input.project_dir} && {self.python} -m backends.bundle.runner run "
+            f"{files}; status=$?; rm -f {agent_dir}/{INPUT_FILE}; exit $status"
+        )
+        return await environment.exec(command, env=RUNNER_ENV, user=None)
+
+    async def _run_forked(
+        self, environment: BaseEnvironment, spec: RunnerInput
+    ) -> ExecResult | None:
+        """The runner forked from the plan's warm runner, its input on its stdin and its output
+        on its stdout (no transfer into or out of the sandbox); None when it cannot (run it
+        cold)."""
+        warm = _WARM.get(self.warm_key) if self.warm_key else None
+        if warm is None or not isinstance(environment, LocalSandbox):
+            return None
+        servers = await warm.servers()
+        if servers is None:
+            return None
+        argv = [self.python, "-m", "backends.bundle.runner", "run", "-", "-"]
+        try:
+            result = await environment.exec_forked(
+                servers, argv, env=RUNNER_ENV, user=None, stdin=spec.model_dump_json().encode()
+            )
+        except ForkServerUnavailable as e:
+            log.info("rollout runs cold: %s", e)
+            return None
+        if result.return_code == 0 and result.stdout:
+            (self.logs_dir / OUTPUT_FILE).write_text(result.stdout)  # collect() checks it
+            result.stdout = ""
+        return result

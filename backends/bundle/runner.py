@@ -1,4 +1,5 @@
-"""The in-sandbox runner: ``python -m backends.bundle.runner run INPUT OUTPUT``.
+"""The in-sandbox runner: ``python -m backends.bundle.runner run INPUT OUTPUT``
+(or ``run - -``: the input on stdin, the output on stdout, the workflow's own on stderr).
 
 It reads a ``RunnerInput``, imports the workflow from the bundle's project, runs it through
 ``run_workflow`` (the code LocalBackend runs, with a ``RolloutContext`` installed, so
@@ -148,6 +149,13 @@ def check(project_dir: Path, entrypoint: str) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["run", "-", "-"]:  # input on stdin, output on stdout (the workflow's: stderr)
+        spec = RunnerInput.model_validate_json(sys.stdin.buffer.read())
+        out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        with out:
+            out.write(anyio.run(run, spec).model_dump_json())
+        return 0
     if len(argv) == 3 and argv[0] == "run":
         spec = RunnerInput.model_validate_json(Path(argv[1]).read_text())
         write_output(Path(argv[2]), anyio.run(run, spec))
@@ -155,7 +163,9 @@ def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "check":
         print(json.dumps(check(Path(argv[1]), argv[2])))
         return 0
-    print("usage: python -m backends.bundle.runner run INPUT OUTPUT | check PROJECT ENTRYPOINT")
+    print(
+        "usage: python -m backends.bundle.runner run INPUT OUTPUT | run - - | check PROJECT ENTRYPOINT"
+    )
     return 2
 
 

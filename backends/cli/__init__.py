@@ -9,6 +9,7 @@ from backends.cli.report import report_command
 from backends.cli.run import run_command
 from backends.cli.tasks_check import tasks_app
 from backends.relay.cli import relay_command, scripted_policy_command
+from backends.runtimes.cli import runtime_app
 from backends.sandbox.cli import sandbox_app
 from backends.server.cli import serve_command
 
@@ -34,6 +35,7 @@ app.command("scripted-policy")(scripted_policy_command)
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(tasks_app, name="tasks")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(runtime_app, name="runtime")
 
 
 def main() -> None:

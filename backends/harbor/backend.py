@@ -299,8 +299,8 @@ class HarborBackend:
         if self._in_flight.counts()["in_flight"]:
             self._drained = anyio.Event()
             await self._drained.wait()
-        if self.settings.workflow is not None:  # its bundle may be pruned from now on
-            self.settings.workflow.close()
+        if self.settings.workflow is not None:  # its warm runner ends; its bundle may go
+            await self.settings.workflow.aclose()
         runtime, self.settings.runtime = self.settings.runtime, None
         if runtime is not None:  # likewise its agent's runtime
             runtime.release()

@@ -48,6 +48,10 @@ _CLIENT_GONE = "the client disconnected before the answer ended; the upstream ca
 _WATCH_AFTER_S = 0.02
 
 
+# The longest line a stream's scrub holds back waiting for its newline.
+_MAX_HELD_BYTES = 64 * 1024
+
+
 class RelayApp:
     """ASGI app serving ``/rollouts/{rollout_id}/v1/{chat/completions,responses,messages,models}``.
 
@@ -383,8 +387,7 @@ class RelayApp:
                 return
             # One deadline for the whole call, headers and body.
             payload = await response.read(max(0.0, settings.response_timeout_s - ttfb))
-            if status >= 400:
-                payload = upstream.scrub(payload)
+            payload = upstream.scrub(payload)  # an answer, too, may echo the key
             answer = payload
             if translation is not None:
                 if status >= 400:
@@ -445,9 +448,18 @@ class RelayApp:
         chunks = call.chunks
         body = response.chunks(self.settings.stream_idle_timeout_s)
 
-        async def forward(chunk: bytes) -> None:
-            if status >= 400:
-                chunk = upstream.scrub(chunk)
+        # Bytes after a chunk's last newline wait for the next one, so no secret the upstream
+        # echoes (an error inside a 200 stream, say) is split past the scrub; SSE events end
+        # in a newline, so nothing an agent waits for is held back.
+        pending = b""
+
+        async def forward(chunk: bytes, last: bool = False) -> None:
+            nonlocal pending
+            chunk = pending + chunk
+            cut = len(chunk) if last or len(chunk) > _MAX_HELD_BYTES else chunk.rfind(b"\n") + 1
+            chunk, pending = upstream.scrub(chunk[:cut]), chunk[cut:]
+            if not chunk:
+                return
             if call.generation == generation:
                 chunks.append(chunk)  # the upstream's bytes: the trace parses those
             if translated is not None and not (chunk := translated.feed(chunk)):
@@ -462,6 +474,7 @@ class RelayApp:
                 await forward(chunk)
         except UpstreamError as exc:
             failed = exc
+        await forward(b"", last=True)
         if failed is not None:
             # Headers are gone already: tell the client in-band, as an SSE error event that
             # OpenAI clients raise as an API error, and close the stream.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,22 @@ class PreparedRuntimeAgent(BaseInstalledAgent):
         tools = " ".join(
             shlex.quote(str(self.runtime_dir / "bin" / c)) for c in self.runtime.commands
         )
-        found = await environment.exec(f'for t in {tools}; do test -x "$t" || exit 1; done')
-        if found.return_code != 0:
+        # Each tool is there, and the Python its venv runs on starts.
+        probe = (
+            f'for t in {tools}; do test -x "$t" || exit 1; done; '
+            'exec "$(dirname "$(readlink -f "$t")")/python" -c ""'
+        )
+        if (await environment.exec(probe, user="root")).return_code != 0:
             raise RuntimeMissingError(
                 f"the {self.runtime.name} runtime ({self.runtime_dir}) is not in this sandbox: "
                 "HarborBackend binds it into local sandboxes only"
+            )
+        if (await environment.exec(probe)).return_code != 0:
+            raise RuntimeMissingError(
+                f"the {self.runtime.name} runtime is in the sandbox, but the agent's user "
+                f"({environment.default_user}) cannot run it: the folders it and the host's "
+                f"Python ({sys.base_prefix}) are bound under are closed to that user; run "
+                "the agent as root"
             )
 
     async def exec_as_agent(
@@ -92,10 +104,13 @@ class MiniSweAgent(PreparedRuntimeAgent, HarborMiniSweAgent):
             messages = json.loads((self.logs_dir / native.name).read_text())["messages"]
         except (OSError, ValueError, KeyError, TypeError):
             return  # no trajectory to mend (Harbor logged why)
+        # The sandbox wrote that file: take from it only what has the expected shape.
         answers = [
-            (m.get("content"), str(m["tool_call_id"]))
-            for m in messages
-            if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id")
+            (m.get("content"), m["tool_call_id"])
+            for m in (messages if isinstance(messages, list) else [])
+            if isinstance(m, dict)
+            and m.get("role") == "tool"
+            and isinstance(m.get("tool_call_id"), str)
         ]
         if link_tool_results(trajectory, answers):
             atif.write_text(json.dumps(trajectory.to_json_dict(), indent=2))

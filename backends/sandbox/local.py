@@ -41,7 +41,15 @@ from backends.sandbox.errors import (
 )
 from backends.sandbox.filtered import CheckedDownloads
 from backends.sandbox.launcher import Bind
-from backends.sandbox.runtime import OUTPUT_LIMIT, BwrapSandbox, SandboxSpec, reap_orphans
+from backends.sandbox.runtime import (
+    OUTPUT_LIMIT,
+    BwrapSandbox,
+    ExecSpawner,
+    RunResult,
+    SandboxSpec,
+    User,
+    reap_orphans,
+)
 
 log = logging.getLogger(__name__)
 
@@ -439,24 +447,76 @@ class LocalSandbox(CheckedDownloads):
             ExecTimeoutError: past `timeout_sec`; the command's process tree was killed.
             SandboxNotRunningError: not started, stopped, or the sandbox died.
         """
-        box = self._require()
-        resolved = self._resolve_user(user)
-        if resolved is None and self._image is not None:
-            resolved = self._image.user
-        merged_env = self._merge_env(env)
-        try:
-            who = await box.resolve_user(resolved)
-        except ValueError as e:
-            return ExecResult(stdout="", stderr=f"{e}\n", return_code=126)
+        who, merged_env = await self._exec_user_env(user, env)
+        if isinstance(who, ExecResult):
+            return who
         workdir = transfer.sandbox_path(cwd or self.workdir, self.workdir)
         script = f"cd -- {shlex.quote(workdir)} || exit 1\n{command}"
-        res = await box.run(
+        res = await self._require().run(
             ["/bin/bash", "-c", script],
             user=who,
             env=merged_env,
             timeout=timeout_sec or None,  # 0 is no limit, as in Harbor's docker environment
             output_limit=self._max_output,
         )
+        return self._exec_result(res)
+
+    async def exec_forked(
+        self,
+        spawner: ExecSpawner,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Run `argv` (not a shell command) started by `spawner`, a fork server
+        (`backends.sandbox.forkserver`), in the directory it runs commands in, with `stdin`
+        on its stdin; otherwise as `exec` runs a command: the same user, environment,
+        limits, kill and result.
+
+        Raises:
+            ForkServerUnavailable: the fork server cannot run it; nothing ran (use `exec`).
+            ExecTimeoutError, SandboxNotRunningError: as `exec`.
+        """
+        who, merged_env = await self._exec_user_env(user, env)
+        if isinstance(who, ExecResult):
+            return who
+        res = await self._require().run(
+            argv,
+            user=who,
+            env=merged_env,
+            timeout=timeout_sec or None,
+            output_limit=self._max_output,
+            spawner=spawner,
+            stdin=stdin,
+        )
+        return self._exec_result(res)
+
+    @property
+    def sandbox(self) -> BwrapSandbox:
+        """The running sandbox underneath (for a fork server's host: its namespaces, cgroup).
+
+        Raises:
+            SandboxNotRunningError: not started, or stopped.
+        """
+        return self._require()
+
+    async def _exec_user_env(
+        self, user: str | int | None, env: dict[str, str] | None
+    ) -> tuple[User | ExecResult, dict[str, str] | None]:
+        """The user a command runs as (an unknown one: the failed result) and its environment."""
+        box = self._require()
+        resolved = self._resolve_user(user)
+        if resolved is None and self._image is not None:
+            resolved = self._image.user
+        merged_env = self._merge_env(env)
+        try:
+            return await box.resolve_user(resolved), merged_env
+        except ValueError as e:
+            return ExecResult(stdout="", stderr=f"{e}\n", return_code=126), merged_env
+
+    def _exec_result(self, res: RunResult) -> ExecResult:
         stderr = res.stderr.decode(errors="replace")
         for stream, dropped in (("stdout", res.stdout_dropped), ("stderr", res.stderr_dropped)):
             if dropped:

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, SupportsIndex
+from typing import Any, BinaryIO, Protocol, SupportsIndex
 
 import anyio
 
@@ -82,6 +82,21 @@ class SandboxSpec:
     shm_mb: int = 64  # size of /dev/shm
 
 
+class ExecSpawner(Protocol):
+    """What starts a command in a sandbox: `launcher.Spawner`'s `spawn` for `enter` requests."""
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        fds: Sequence[int],
+        cgroup: cgroups.Join,
+        enter: dict[str, Any],
+        enter_pidfd: int,
+    ) -> launcher.SandboxProcess: ...
+
+
 class BwrapSandbox:
     def __init__(self, spec: SandboxSpec, name: str | None = None) -> None:
         self.spec = spec
@@ -114,6 +129,11 @@ class BwrapSandbox:
     @property
     def running(self) -> bool:
         return self._booted is not None and self._booted.process.returncode is None
+
+    @property
+    def init_pidfd(self) -> int:
+        """A pidfd of the sandbox's pid 1 (owned by the sandbox; -1 when not running)."""
+        return self._booted.init_fd if self._booted is not None else -1
 
     @property
     def upper(self) -> Path:
@@ -311,6 +331,7 @@ class BwrapSandbox:
         stdout: BinaryIO | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - mirrors Harbor's exec(timeout_sec)
         output_limit: int = OUTPUT_LIMIT,
+        spawner: ExecSpawner | None = None,
     ) -> RunResult:
         """Run argv inside the sandbox and collect its exit code and output.
 
@@ -322,7 +343,8 @@ class BwrapSandbox:
         pipe) can write into the file. Collected output keeps at most `output_limit` bytes
         per stream; the rest is drained and counted as dropped.
         A non-zero exit is an ordinary result. On timeout or cancellation the command's whole
-        process tree (including anything it daemonized) is killed.
+        process tree (including anything it daemonized) is killed. `spawner` starts the
+        command instead of the sandbox spawner (a fork server: `backends.sandbox.forkserver`).
 
         Raises:
             SandboxNotRunningError: the sandbox was not started, was stopped, or died.
@@ -352,7 +374,7 @@ class BwrapSandbox:
         ours = _Fds(out_r, err_r, in_w)
         try:
             try:
-                proc = await launcher.spawner().spawn(
+                proc = await (spawner or launcher.spawner()).spawn(
                     argv,
                     env=full_env,
                     fds=(in_r, out_w, err_w),

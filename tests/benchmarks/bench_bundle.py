@@ -5,7 +5,9 @@ relay with the embedded scripted policy. Interleaved rounds of:
 
 * `LocalBackend`: the workflow in this process (the baseline for the workflow's own work);
 * `HarborBackend` template mode with `agent=<the workflow>`, its bundle built and installed
-  (repeat rollouts: nothing is built or installed);
+  (repeat rollouts: nothing is built or installed), each rollout forked from the plan's warm
+  runner (the entrypoint imported once: `backends.bundle.warm`);
+* the same with the warm runner off: each rollout's runner a fresh interpreter (cold exec);
 * `HarborBackend` template mode with Harbor's `oracle` on the same template (with a tests/
   that gives 1): the sandboxed trial without any workflow.
 
@@ -97,6 +99,10 @@ async def main(rounds: int) -> None:
                 relay,
             )
             bundled = RelayedBackend(workflow_backend(tmp, PROJECT, "bundled"), relay)
+            cold_backend = workflow_backend(tmp, PROJECT, "cold")
+            assert cold_backend.settings.workflow is not None
+            cold_backend.settings.workflow.fork_server = False
+            cold = RelayedBackend(cold_backend, relay)
             oracle = RelayedBackend(
                 HarborBackend(
                     tasks_dir=oracle_template(tmp),
@@ -109,6 +115,7 @@ async def main(rounds: int) -> None:
             loops: dict[str, Callable[[], Awaitable[RolloutResult]]] = {
                 "LocalBackend (in-process)": lambda: one(local),
                 "HarborBackend, bundled workflow": lambda: one(bundled),
+                "HarborBackend, bundled, cold exec": lambda: one(cold),
                 "HarborBackend, oracle (no workflow)": lambda: one(oracle),
             }
             for fn in loops.values():  # warm-up: imports, the bundle, its install, the image
@@ -130,6 +137,8 @@ async def main(rounds: int) -> None:
             first = RelayedBackend(workflow_backend(tmp, fresh, "fresh"), relay)
             await one(first)
             first_sec = time.perf_counter() - started
+            for backend in (bundled, cold, oracle, first):  # warm runners end with them
+                await backend.aclose()
 
     print(f"bundle benchmark: {rounds} interleaved rounds, medians")
     for name in loops:
@@ -139,9 +148,11 @@ async def main(rounds: int) -> None:
         )
     base = median_ms(timings["HarborBackend, oracle (no workflow)"])
     repeat = median_ms(timings["HarborBackend, bundled workflow"])
+    cold_repeat = median_ms(timings["HarborBackend, bundled, cold exec"])
     inproc = median_ms(timings["LocalBackend (in-process)"])
     print(f"  first rollout of a new bundle          {first_sec * 1000:8.1f} ms (once)")
     print(f"repeat bundled rollout - oracle trial:   {repeat - base:+8.1f} ms (target <= +50 ms)")
+    print(f"  the same, cold exec (no fork server):  {cold_repeat - base:+8.1f} ms")
     print(f"repeat bundled / oracle trial:           {repeat / base:8.2f}x")
     print(f"repeat bundled / in-process:             {repeat / inproc:8.2f}x")
 

@@ -7,6 +7,7 @@ returns its sample in one of the ways a workflow may.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 from typing import Any
@@ -107,6 +108,7 @@ class Snoops(AgentWorkflow):
             text=True,
         ).stdout.split()
         found += [v for v in os.environ.values() if "CANARY-" in v]
+        found += own_memory_canaries()  # the input came on stdin (forked) or in a file
         try:
             socket.create_connection(("1.1.1.1", 53), timeout=2).close()
             network = "reached"
@@ -117,6 +119,44 @@ class Snoops(AgentWorkflow):
             "content": f"canaries={sorted(set(found))} network={network}",
         }
         return [*ctx.prompt, report]
+
+
+WARMED_UP = False
+
+
+def warm_up() -> None:
+    """pyproject.toml's [tool.backends] warm_up: run once in the warm runner."""
+    global WARMED_UP
+    WARMED_UP = True
+
+
+class ReportsParent(AgentWorkflow):
+    """The sample, and in its metrics whether the runner's parent is in its pid namespace
+    (a shell's exec: yes; forked from a warm runner: no, its launcher is outside) and whether
+    it started from the project's warm-up."""
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> AgentWorkflowOutput:
+        reply = await ask(ctx)
+        metrics = {"parent_visible": float(os.getppid() != 0), "warmed_up": float(WARMED_UP)}
+        return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics=metrics)
+
+
+def own_memory_canaries() -> list[str]:
+    """Every canary in this process's readable memory."""
+    pattern = re.compile(rb"CAN[A]RY-[0-9a-f]{32}")
+    found: set[str] = set()
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+        for line in maps.read().splitlines():
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if not perms.startswith("r") or line.endswith("[vvar]"):
+                continue
+            try:
+                mem.seek(start)
+                found.update(m.decode() for m in pattern.findall(mem.read(end - start)))
+            except (OSError, OverflowError, ValueError):
+                continue
+    return sorted(found)
 
 
 class NonEmptyAnswer(Grader):
