@@ -34,6 +34,12 @@ def lost_execs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         yield request.param
 
 
+@pytest.fixture(scope="module")
+def fake_sky() -> Iterator[dict[str, str]]:
+    with fake_sky_server() as env:
+        yield env
+
+
 async def _terminate_when_running(marker: str) -> None:
     """Terminate every pod once a process running ``marker`` shows (pods are host processes
     on the fake)."""
@@ -62,6 +68,42 @@ async def test_a_command_whose_pod_is_terminated_raises_sandbox_not_running(
     finally:
         await env.stop(delete=True)
     assert elapsed < 30, f"reported after {elapsed:.0f} s ({lost_execs})"
+
+
+@pytest.mark.sandbox
+async def test_with_liveness_off_the_listing_is_never_consulted(
+    tmp_path: Path, fake_sky: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = SKY.make(tmp_path, kwargs={"liveness_interval_sec": 0})
+    listed: list[float] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> bool:
+        listed.append(time.monotonic())
+        return False
+
+    monkeypatch.setattr(skylive.pods, "lost", counted)
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("sleep 2; kill -KILL $$", timeout_sec=60)
+    finally:
+        await env.stop(delete=True)
+    assert res.return_code == 137 and listed == []
+    with pytest.raises(ValueError, match="liveness_interval_sec"):
+        SKY.make(tmp_path, kwargs={"liveness_interval_sec": -1})
+
+
+@pytest.mark.sandbox
+async def test_a_command_killed_in_a_live_pod_is_an_ordinary_result(
+    tmp_path: Path, fake_sky: dict[str, str]
+) -> None:
+    env = SKY.make(tmp_path, kwargs={"liveness_interval_sec": 1})
+    await env.start(force_build=False)
+    try:
+        res = await env.exec("sleep 2; kill -KILL $$", timeout_sec=60)  # 137, pod still there
+        assert res.return_code == 137
+        assert (await env.exec("echo alive")).stdout == "alive\n"
+    finally:
+        await env.stop(delete=True)
 
 
 @pytest.mark.sandbox
@@ -135,6 +177,8 @@ async def test_only_a_listing_that_can_see_the_pod_judges_it() -> None:
     assert await lost("a")  # gone from a listing of its own context
     sdk.boxes = [SimpleNamespace(name="a", status="SandboxStatus.FAILED")]
     assert await lost("a")
+    sdk.boxes = [SimpleNamespace(name="a", status="SOME_STATE_NOT_DOCUMENTED")]
+    assert not await lost("a")  # an unfamiliar status never fails a healthy rollout
     assert not await lost("never-made")
     # Listings are shared: many commands asking within the freshness window make one call.
     calls = sdk.calls

@@ -27,7 +27,11 @@ import anyio
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_SEC = 15.0
-ALIVE = frozenset({"RUNNING", "PENDING", "STARTING", "CREATING", "PROVISIONING", "INIT"})
+# States that mean the pod is gone or going; any other (the SDK's set is not documented beyond
+# "FAILED") counts as alive, so an unfamiliar status never fails a healthy rollout.
+GONE = frozenset(
+    {"FAILED", "ERROR", "TERMINATED", "TERMINATING", "DELETED", "DELETING", "STOPPED", "EXPIRED"}
+)
 
 Scope = tuple[str | None, str | None]  # (context name, namespace) a pod was created in
 
@@ -91,7 +95,7 @@ class Pods:
             return False
         state = listing.states.get(name)
         if state is not None:
-            return state.rsplit(".", 1)[-1] not in ALIVE  # "RUNNING" or "SandboxStatus.RUNNING"
+            return state.rsplit(".", 1)[-1] in GONE  # "FAILED" or "SandboxStatus.FAILED"
         return scope in self.visible
 
 

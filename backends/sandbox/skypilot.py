@@ -99,7 +99,8 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
       has no network unless the task asks for it itself (as local sandboxes);
     - ``liveness_interval_sec``: while a command runs, how often the server's listing is
       consulted for its pod (15 s; one listing per interval serves every command): a pod
-      gone under a command raises ``SandboxNotRunningError`` then, not at its timeout;
+      gone under a command raises ``SandboxNotRunningError`` then, not at its timeout (0:
+      never consulted, for a server whose listing does not show every pod);
     - ``relay_url``: the relay as the pod reaches it (set by HarborBackend from the rollout's
       route); with a blocked network the sandbox is refused.
 
@@ -124,6 +125,8 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     ) -> None:
         self._max_output = int(max_output_bytes)
         self._liveness_interval = float(liveness_interval_sec)
+        if self._liveness_interval < 0:
+            raise ValueError(f"liveness_interval_sec must be >= 0, not {liveness_interval_sec}")
         self._sdk_threads = int(sdk_threads)
         self._stopping = False
         if network not in (None, "public", "none", "no-network"):
@@ -394,6 +397,8 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     async def _unless_lost(self, work: Callable[[], Awaitable[_T]]) -> _T:
         """``await work()``, checking every ``liveness_interval_sec`` that the pod is still
         there; raises ``SandboxNotRunningError`` once it is not (the work cancelled)."""
+        if not self._liveness_interval:
+            return await work()
         outcome: list[tuple[bool, Any]] = []
         async with anyio.create_task_group() as tg:
 
@@ -418,7 +423,10 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         return cast(_T, value)
 
     async def _lost_now(self, fresher_than: float = 0.0) -> bool:
-        """Whether a listing at most ``fresher_than`` seconds old no longer shows the pod."""
+        """Whether a listing at most ``fresher_than`` seconds old no longer shows the pod
+        (never, with ``liveness_interval_sec=0``)."""
+        if not self._liveness_interval:
+            return False
         return await skylive.pods.lost(
             self.sdk, self._sandbox_name, fresher_than=time.monotonic() - fresher_than
         )
