@@ -186,3 +186,25 @@ async def test_only_a_listing_that_can_see_the_pod_judges_it() -> None:
     for _ in range(5):
         await pods.lost(sdk, "a", fresher_than=asked)
     assert sdk.calls == calls
+
+
+async def test_a_listing_that_hangs_says_nothing_and_holds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The liveness check waits on the server's `ls`: one that never answers must neither
+    judge the pod lost nor hold the command's result."""
+    from backends.sandbox import skylive
+
+    class HangingLs:
+        async def aio(self) -> list[object]:
+            await anyio.sleep(3600)
+            return []
+
+    class Sdk:
+        ls = HangingLs()
+
+    monkeypatch.setattr(skylive, "LISTING_TIMEOUT_SEC", 0.2)
+    pods = skylive.Pods()
+    pods.created("pod-1", (None, None))
+    with anyio.fail_after(5):
+        assert await pods.lost(Sdk(), "pod-1", fresher_than=time.monotonic()) is False

@@ -36,6 +36,10 @@ GONE = frozenset(
 Scope = tuple[str | None, str | None]  # (context name, namespace) a pod was created in
 
 
+# The longest one listing of the server's sandboxes may take before it counts as no answer.
+LISTING_TIMEOUT_SEC = 10.0
+
+
 @dataclass
 class _Listing:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -76,10 +80,15 @@ class Pods:
         async with listing.lock:  # the first caller lists; the others read its answer
             if listing.at <= fresher_than:
                 asked = time.monotonic()
-                try:
-                    boxes = await sdk.ls.aio()
-                except Exception as exc:
-                    log.debug("could not list SkyPilot sandboxes: %s", exc)
+                boxes = None
+                # A listing that hangs says nothing either, and must not hold the command's
+                # result (nor every other command waiting on this lock).
+                with anyio.move_on_after(LISTING_TIMEOUT_SEC):
+                    try:
+                        boxes = await sdk.ls.aio()
+                    except Exception as exc:
+                        log.debug("could not list SkyPilot sandboxes: %s", exc)
+                if boxes is None:
                     return False
                 listing.states = {box.name: str(box.status).upper() for box in boxes}
                 self.visible |= {s for n, (s, _) in self.pods.items() if n in listing.states}
