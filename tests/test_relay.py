@@ -660,3 +660,24 @@ async def test_an_upstream_echoing_its_key_inside_a_200_answer_is_scrubbed() -> 
     finally:
         await runner.cleanup()
     assert all("***" in text and KEY not in text for text in seen), seen
+
+
+async def test_a_short_dummy_key_never_mangles_answers() -> None:
+    """Masking a key like "k" in an answer would turn "completion_tokens" into garbage."""
+    async with (
+        ScriptedPolicy(api_key="k") as short,
+        Relay(upstream_url=short.base_url, upstream_api_key="k") as relay,
+    ):
+        grant = relay.register("r1")
+        client = openai.AsyncOpenAI(base_url=grant.base_url, api_key=grant.token)
+        answer = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is 2 * 6?"}]
+        )
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is 3 * 6?"}], stream=True
+        )
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        await client.close()
+        relay.end("r1")
+    assert answer.usage is not None and answer.usage.completion_tokens is not None
+    assert answer.choices[0].message.content == "12" and "".join(parts) == "18"

@@ -387,7 +387,7 @@ class RelayApp:
                 return
             # One deadline for the whole call, headers and body.
             payload = await response.read(max(0.0, settings.response_timeout_s - ttfb))
-            payload = upstream.scrub(payload)  # an answer, too, may echo the key
+            payload = upstream.scrub(payload, answer=status < 400)  # an answer may echo it too
             answer = payload
             if translation is not None:
                 if status >= 400:
@@ -457,7 +457,7 @@ class RelayApp:
             nonlocal pending
             chunk = pending + chunk
             cut = len(chunk) if last or len(chunk) > _MAX_HELD_BYTES else chunk.rfind(b"\n") + 1
-            chunk, pending = upstream.scrub(chunk[:cut]), chunk[cut:]
+            chunk, pending = upstream.scrub(chunk[:cut], answer=status < 400), chunk[cut:]
             if not chunk:
                 return
             if call.generation == generation:

@@ -17,6 +17,10 @@ from backends.relay.http1 import Target
 CHAT_SUFFIX = "/chat/completions"
 
 
+# The shortest secret masked in answers as well as in errors (real keys are far longer).
+MIN_SCRUBBED_IN_ANSWERS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
     """How the relay forwards and records. Defaults suit a vLLM/SGLang upstream on a cluster."""
@@ -139,9 +143,15 @@ class Upstream:
         """The key as Anthropic's API takes it (``x-api-key``), for a native Messages upstream."""
         return b"x-api-key: %s\r\n" % self.api_key.encode() if self.api_key else b""
 
-    def scrub(self, body: bytes) -> bytes:
-        """Remove upstream secrets from bytes bound for a sandbox (error bodies may echo them)."""
+    def scrub(self, body: bytes, *, answer: bool = False) -> bytes:
+        """Remove upstream secrets from bytes bound for a sandbox (error bodies may echo them).
+
+        In an `answer` (not an error), only secrets long enough never to be ordinary text: a
+        short dummy key ("k", "EMPTY") masked there would mangle the model's output and JSON.
+        """
         for secret in self._secrets():
+            if answer and len(secret) < MIN_SCRUBBED_IN_ANSWERS:
+                continue
             if secret in body:
                 body = body.replace(secret, b"***")
         return body
