@@ -82,7 +82,9 @@ async def test_many_rollouts_leave_nothing_behind(
     retried = skyruns.counters["create_retries"] - retries
     assert 0 < retried <= engine.counters.create_failures  # (a create out of tries is not)
     # Per rollout, nothing stays: no pod, no open trial log, (almost) no logger.
-    assert engine.boxes == {} and engine.counters.peak_live > n // 2
+    # Many pods at once (trials run concurrently, not one after another); how many at the
+    # peak depends on the machine's speed, since trials are built two at a time.
+    assert engine.boxes == {} and engine.counters.peak_live > n // 4
     assert max(held) <= trial.BUILDERS.total_tokens  # only while Harbor builds a trial
     assert len(logging.Logger.manager.loggerDict) - loggers < n
     # The real SDK's .aio runs its sync client on the loop's default executor: widened.
