@@ -17,7 +17,7 @@ from sky_support import create_calls, fake_sky_server, inject_create_faults
 
 from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
 from backends.rollout.errors import ErrorCategory
-from backends.sandbox import skybatch, skyruns
+from backends.sandbox import skybatch, skyruns, skysdk
 from backends.sandbox.contract import PROVIDERS
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.anyio]
@@ -279,6 +279,77 @@ async def test_rollouts_whose_batch_fails_are_infra_errors_never_rewards(
         assert result.reward is None and result.failure is not None, result
         assert result.failure.category is ErrorCategory.INFRA_ERROR, result.failure
         assert result.failure.retryable, result.failure
+    assert await _ours() == set()
+
+
+class _HeldCreates:
+    """Every create call from now on waits for ``gate``, as on a cluster still scheduling."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.gate, self.cancelled = anyio.Event(), anyio.Event(), anyio.Event()
+        sdk = skysdk.load()
+        create = sdk.create.aio
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.entered.set()
+            try:
+                await self.gate.wait()
+            except anyio.get_cancelled_exc_class():
+                self.cancelled.set()
+                raise
+            return await create(*args, **kwargs)
+
+        monkeypatch.setattr(sdk.create, "aio", held)
+
+
+async def test_closing_one_backend_leaves_another_backends_creates_alone(
+    tmp_path: Path, faults: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eval backend closed beside a training backend in one event loop: its close neither
+    waits for nor cancels the other's creates in flight (review N2: it cancelled them, so each
+    rollout was retried as an infra error, or failed on its last attempt)."""
+    monkeypatch.setattr(skybatch, "CLOSE_GRACE_SEC", 0.5)  # what a close lets others finish
+    a, b = _claims_backend(tmp_path / "a"), _claims_backend(tmp_path / "b")
+    [done] = await collect(a, _requests(1))
+    assert (done.status, done.reward) == (RolloutStatus.SUCCESS, 1.0), done.failure
+    held = _HeldCreates(monkeypatch)  # a cluster still scheduling b's pods
+    results: list[Any] = []
+
+    async def run_b() -> None:
+        results.extend(await collect(b, _requests(3), max_in_flight=3))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_b)
+        with anyio.fail_after(60):
+            await held.entered.wait()
+        with anyio.fail_after(20):  # was CLOSE_GRACE_SEC (60 s) spent waiting for b's work
+            await a.aclose()
+        held.gate.set()
+    assert not held.cancelled.is_set()
+    await b.aclose()
+    assert {r.rollout_id: (r.status, r.reward) for r in results} == {
+        f"claim-{i}": (RolloutStatus.SUCCESS, 1.0) for i in range(3)
+    }, [r.failure for r in results]
+    assert [r.extra_fields.get("infra_retries") for r in results] == [None] * 3
+    assert sum(len(c["names"]) for c in await create_calls()) == 4  # none made twice
+    assert await _ours() == set()
+
+
+async def test_closing_a_backend_still_ends_its_own_creates_in_flight(
+    tmp_path: Path, faults: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its close reaches the batches its sandboxes joined: a create still in flight after the
+    grace is cancelled, and nothing of it is left running."""
+    monkeypatch.setattr(skybatch, "CLOSE_GRACE_SEC", 0.5)
+    backend = _claims_backend(tmp_path)
+    held = _HeldCreates(monkeypatch)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(collect, backend, _requests(2))
+        with anyio.fail_after(60):
+            await held.entered.wait()
+        with anyio.fail_after(20):
+            await backend.aclose()
+    assert held.cancelled.is_set()
     assert await _ours() == set()
 
 

@@ -18,6 +18,7 @@ verifier's reward, or the host grader's), finalize (artifacts, scrubbing, retent
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,10 @@ class HarborBackend:
             AgentSpec(import_path=BUNDLE_AGENT) if workflow else resolve_agent(agent)
         )
         self.environment = build_environment_config(environment, environment_config)
+        # Its SkyPilot creates are batched apart from other backends', for aclose to end them.
+        self._batch_owner = f"harbor-{uuid.uuid4().hex[:12]}"
+        if self.environment.import_path == SKYPILOT_SANDBOX:
+            self.environment.kwargs["batch_owner"] = self._batch_owner
         if self.agent.runtime is not None and not _is_local_sandbox(self.environment):
             raise ValueError(
                 f"agent {self.agent.label!r} runs from a runtime prepared on this host and "
@@ -304,10 +309,10 @@ class HarborBackend:
         runtime, self.settings.runtime = self.settings.runtime, None
         if runtime is not None:  # likewise its agent's runtime
             runtime.release()
-        if self.settings.remote_sandbox:  # creates still in flight end, unwanted pods go
+        if self.settings.remote_sandbox:  # its creates still in flight end, unwanted pods go
             from backends.sandbox import skybatch
 
-            await skybatch.aclose()
+            await skybatch.aclose(self._batch_owner)
 
     async def execute(self, request: RolloutRequest) -> RolloutResult:
         await self.start()

@@ -9,12 +9,12 @@ is an ordinary create under the creator's own name; a larger one is named
 ``bk-<run id>-<batch id>``, and the SDK names its members ``<that>-0001``, ``-0002``, ...:
 every name keeps the run's prefix, so the reaper finds them after a crash.
 
-The call runs in a task of the batcher's (one per event loop), never in a waiting creator's,
-so a creator cancelled mid-call cancels nothing for the others: its sandbox, once made, is
-terminated instead of handed over. A call that fails has every member the listing shows
+The call runs in a task of the batcher's (one per owner, a backend, and event loop), never in
+a waiting creator's, so a creator cancelled mid-call cancels nothing for the others: its
+sandbox, once made, is terminated instead of handed over. A call that fails has every member the listing shows
 terminated, and is retried (backoff, a fresh name) when the failure is transient; a creator
-whose batch failed for good gets the error. ``aclose()`` waits for the calls in flight and
-terminates what no creator took.
+whose batch failed for good gets the error. ``aclose(owner)`` waits for that owner's calls in
+flight and terminates what no creator took; other owners' creates go on untouched.
 """
 
 from __future__ import annotations
@@ -255,22 +255,27 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Batcher] = (
+# Per event loop, the batcher of each owner (None: sandboxes made outside a backend).
+_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str | None, Batcher]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def batcher() -> Batcher:
-    """This event loop's batcher."""
-    loop = asyncio.get_running_loop()
-    found = _batchers.get(loop)
+def batcher(owner: str | None = None) -> Batcher:
+    """This event loop's batcher of ``owner``'s creates."""
+    owned = _batchers.setdefault(asyncio.get_running_loop(), {})
+    found = owned.get(owner)
     if found is None:
-        found = _batchers[loop] = Batcher()
+        found = owned[owner] = Batcher()
     return found
 
 
-async def aclose() -> None:
-    """Close this event loop's batcher (``HarborBackend.aclose`` does): see ``Batcher.aclose``."""
-    found = _batchers.get(asyncio.get_running_loop())
+async def aclose(owner: str | None = None) -> None:
+    """Close ``owner``'s batcher in this event loop (``HarborBackend.aclose`` closes its own):
+    see ``Batcher.aclose``. Other owners' creates are not waited for, nor cancelled."""
+    owned = _batchers.get(asyncio.get_running_loop(), {})
+    found = owned.get(owner)
     if found is not None:
         await found.aclose()
+        if owned.get(owner) is found:  # nothing of it is left running: a later create opens anew
+            del owned[owner]

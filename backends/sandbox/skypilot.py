@@ -92,6 +92,8 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     - ``batch_window_sec``, ``batch_max_size``: identical creates arriving within the window
       (0.02 s; longer while they wait for admission) are made by one
       ``create(num_sandboxes=N)`` call of at most this many (32; 1 turns batching off);
+    - ``batch_owner``: whose batches the creates join (HarborBackend sets its own), so closing
+      one backend (``skybatch.aclose(owner)``) waits for and cancels only its own creates;
     - ``max_download_bytes``: the most one download may bring back (default 4 GiB);
     - ``sdk_threads``: the event loop's default executor is widened to this many threads (256):
       the SDK's ``.aio`` calls run its sync client there, one thread per call in flight, and
@@ -120,6 +122,7 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         admission_jitter_sec: float | str = 0.05,
         batch_window_sec: float | str = skybatch.DEFAULT_WINDOW_SEC,
         batch_max_size: int | str = skybatch.DEFAULT_MAX_SIZE,
+        batch_owner: str | None = None,
         max_download_bytes: int | str = DEFAULT_MAX_DOWNLOAD,
         relay_url: str | None = None,
         network: str | None = None,
@@ -148,6 +151,7 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
             attempts=int(create_attempts),
             jitter=float(admission_jitter_sec),
         )
+        self._batch_owner = batch_owner
         self._max_download = int(max_download_bytes)
         self._relay_url = relay_url
         for name, value in (
@@ -208,14 +212,14 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         return sandbox
 
     async def _create(self, **kwargs: Any) -> Any:
-        """Harbor's ``create.aio`` call, made through this loop's batcher."""
+        """Harbor's ``create.aio`` call, made through this loop's batcher of its owner."""
         kwargs.pop("name", None)  # the batcher names it: for this session, or a batch member
         kwargs["timeout"] = self._ttl  # instead of Harbor's fixed 24 h
         # The create's env (the task's and the config's) goes with every command instead
         # (``exec`` merges it in): creates of different rollouts stay identical, so they can
         # share a batch, and nothing of a rollout is in the pod's spec.
         kwargs["env"] = None
-        return await skybatch.batcher().create(
+        return await skybatch.batcher(self._batch_owner).create(
             self.sdk, self.run, kwargs, self.session_id, self._batching
         )
 
