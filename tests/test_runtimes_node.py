@@ -178,6 +178,30 @@ async def test_harbors_node_agent_solves_a_dataset_task_offline(
 
 
 @pytest.mark.sandbox
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+async def test_harbors_node_agent_runs_as_a_non_root_agent_user(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """`[agent] user = "agent"`: the runtime is bound under folders open to every user, so
+    the agent runs as that user (the task's verifier checks who wrote ~/whoami.txt)."""
+    async with (
+        ScriptedPolicy(Script.load(agent.script_path)) as policy,
+        Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
+    ):
+        backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+        rollout = RolloutRequest(
+            rollout_id=f"{agent.name}-nonroot",
+            prompt=[],
+            metadata={"harbor_task_id": "nonroot-agent"},
+        )
+        [result] = await collect(RelayedBackend(backend, relay), [rollout])
+        await backend.aclose()
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0
+    assert [c.status for c in result.policy_trace.calls] == [200, 200]
+
+
+@pytest.mark.sandbox
 @pytest.mark.parametrize("agent", [CODEX], ids=lambda a: a.name)
 async def test_codex_in_template_mode_with_a_host_grader(
     agent: Agent, tmp_path: Path, relay: Relay

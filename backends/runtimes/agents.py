@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -82,9 +81,8 @@ class PreparedRuntimeAgent(BaseInstalledAgent):
         if (await environment.exec(probe)).return_code != 0:
             raise RuntimeMissingError(
                 f"the {self.runtime.name} runtime is in the sandbox, but the agent's user "
-                f"({environment.default_user}) cannot run it: the folders it and the host's "
-                f"Python ({sys.base_prefix}) are bound under are closed to that user; run "
-                "the agent as root"
+                f"({environment.default_user}) cannot run it: a folder it is bound under is "
+                "closed to that user"
             )
 
     async def exec_as_agent(
