@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +37,7 @@ from backends.runtimes import (
     runtimes_dir,
 )
 from backends.runtimes.agents import MiniSweAgent
+from backends.runtimes.interpreter import python_dir
 from backends.trajectory.save import trajectory_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1800)]
@@ -52,11 +52,12 @@ OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
 
 
 # Saves the environment the agent was given, and tries to plant a file in every folder on its
-# PATH (the runtime's among them) and beside the Python running it, listing where that worked.
+# PATH (the runtime's among them), beside the venv's Python and in the Python copy's bin/,
+# listing where that worked.
 SPY = (
     "env > /logs/artifacts/env.txt; "
     'for d in $(echo "$PATH" | tr : " ") "$(dirname "$(readlink -f "$(command -v '
-    f'mini-swe-agent)")")" {sys.base_prefix}/bin; do touch "$d/planted" 2>/dev/null '
+    f'mini-swe-agent)")")" {python_dir(runtimes_dir())}/bin; do touch "$d/planted" 2>/dev/null '
     '&& echo "$d"; done > /logs/artifacts/writable.txt; '
 )
 

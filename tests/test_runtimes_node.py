@@ -65,6 +65,7 @@ class Agent:
     name: str
     api: str  # the wire format it speaks to the relay
     argument: str  # its shell tool's argument holding the command
+    calls: int = 2  # policy calls per task: the command, then the answer (and any extra)
 
     @property
     def script_path(self) -> Path:
@@ -80,7 +81,8 @@ class Agent:
 
 CODEX = Agent("codex", "responses", "cmd")
 CLAUDE_CODE = Agent("claude-code", "messages", "command")
-AGENTS = [CODEX, CLAUDE_CODE]
+OPENCODE = Agent("opencode", "responses", "command", calls=3)  # it also asks for a title
+AGENTS = [CODEX, CLAUDE_CODE, OPENCODE]
 
 
 @pytest.fixture
@@ -118,8 +120,8 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
     calls = result.policy_trace.calls
     assert [(c.api, c.upstream_api, c.status) for c in calls] == [
         (agent.api, "chat.completions", 200)
-    ] * 2
-    ask, answer = calls
+    ] * agent.calls
+    ask, answer = calls[-2:]
     for call in calls:
         assert call.completion_token_ids and call.logprobs is not None
         assert len(call.logprobs) == len(call.completion_token_ids)
@@ -198,7 +200,7 @@ async def test_harbors_node_agent_runs_as_a_non_root_agent_user(
         await backend.aclose()
     assert result.status is RolloutStatus.SUCCESS, result.failure
     assert result.reward == 1.0
-    assert [c.status for c in result.policy_trace.calls] == [200, 200]
+    assert [c.status for c in result.policy_trace.calls] == [200] * agent.calls
 
 
 @pytest.mark.sandbox
@@ -236,7 +238,7 @@ def test_backends_run_drives_a_node_agent_with_a_policy_script(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == 2, summary
+    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == agent.calls, summary
     assert "handshake" not in done.stderr  # Codex's websocket try is refused cleanly
 
 

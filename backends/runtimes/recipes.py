@@ -348,8 +348,24 @@ CLAUDE_CODE = NodeRuntime(
     version_of="@anthropic-ai/claude-code",
 )
 
+OPENCODE = NodeRuntime(
+    name="opencode",
+    agent_class="backends.runtimes.agents:OpenCode",
+    packages=("opencode-ai@1.18.33",),
+    commands=("opencode",),
+    check="opencode --version",
+    version_of="opencode-ai",
+    # Offline: no model catalogue to fetch, no update or language server to download.
+    env={
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    },
+)
+
 # Harbor agent name -> the recipe HarborBackend prepares for it.
-RUNTIMES: dict[str, Recipe] = {r.name: r for r in (MINI_SWE_AGENT, CODEX, CLAUDE_CODE)}
+RUNTIMES: dict[str, Recipe] = {r.name: r for r in (MINI_SWE_AGENT, CODEX, CLAUDE_CODE, OPENCODE)}
 
 
 def runtime_for(agent_name: str | None) -> Recipe | None:
