@@ -4,6 +4,8 @@ the orchestrator process, shared by every rollout) until nothing else can open a
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,10 +66,6 @@ async def test_idle_and_trickling_connections_are_closed_and_others_served(
 
 def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
     """A soft limit of 1,024 under a larger hard one (common at login) is lifted at start."""
-    import resource
-    import subprocess
-    import sys
-
     script = (
         "import resource\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
