@@ -321,8 +321,8 @@ def shared_writable_mappings(pid: int) -> list[str]:
     return [" ".join(r[5:]).strip() or r[0] for r in rows if r[1][:2] == "rw" and r[1][3] == "s"]
 
 
-def open_namespaces(pidfd: int) -> list[int]:
-    """fds of the namespaces of the live process `pidfd` (as `NAMESPACES` lists them).
+def open_namespaces(pidfd: int, names: Sequence[str] = NAMESPACES) -> list[int]:
+    """fds of the namespaces `names` (as /proc/PID/ns names them) of the live process `pidfd`.
 
     Raises:
         ProcessLookupError: it is gone (its number may be someone else's by now).
@@ -330,7 +330,7 @@ def open_namespaces(pidfd: int) -> list[int]:
     pid = pid_of(pidfd)
     fds: list[int] = []
     try:
-        for name in NAMESPACES:
+        for name in names:
             fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
         if select.select([pidfd], [], [], 0)[0]:  # exited: those may be another's
             raise ProcessLookupError(f"process {pid} is gone")

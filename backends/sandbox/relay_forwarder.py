@@ -1,0 +1,135 @@
+"""The relay's TCP endpoint inside a local sandbox, served from the host: no process inside.
+
+A sandbox without network reaches the policy relay at `127.0.0.1:<port>`, the URL any client
+takes (`OPENAI_BASE_URL`, a workflow's own `AsyncOpenAI(base_url=...)`). `RelayForwarder`
+makes that port exist without starting anything in the sandbox: host root opens a listening
+socket *in the sandbox's network namespace* (a socket belongs to the namespace it was created
+in, wherever its fd lives), and the owning process forwards each connection to the relay's
+Unix socket. Against an in-sandbox `socat`, this saves an exec and a readiness poll per
+sandbox start and a fork per connection, and needs no socat in the image; root inside can
+neither kill it nor take its port (that port is held by a host socket).
+
+Its serving task spans `LocalSandbox.start()` and `stop()`, which Harbor calls from different
+tasks, so it is one task of the event loop that `aclose()` cancels and awaits; everything it
+runs lives in its own task group. It holds at most `MAX_CONNECTIONS` connections at once (each
+costs this process two fds); past that a connection is closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from pathlib import Path
+
+import anyio
+from anyio.abc import ByteStream, SocketListener
+
+from backends.sandbox.forkserver import open_namespaces
+
+MAX_CONNECTIONS = 128
+CHUNK = 65536
+
+
+def listen_in_namespace(pidfd: int, host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host:port` in the network namespace of the live process
+    `pidfd`.
+
+    Raises:
+        ProcessLookupError: that process is gone.
+        OSError: the port cannot be bound there.
+    """
+    (netns,) = open_namespaces(pidfd, ("net",))
+    made: list[socket.socket] = []
+    failed: list[BaseException] = []
+
+    def inside() -> None:
+        # setns changes only this thread's namespace, and the thread ends right after: no
+        # other socket of this process is ever made in the sandbox's namespace.
+        try:
+            os.setns(netns, os.CLONE_NEWNET)
+            made.append(socket.create_server((host, port), backlog=MAX_CONNECTIONS))
+        except BaseException as e:
+            failed.append(e)
+
+    try:
+        thread = threading.Thread(target=inside, name="relay-listener")
+        thread.start()
+        thread.join()
+    finally:
+        os.close(netns)
+    if failed:
+        raise failed[0]
+    return made[0]
+
+
+class RelayForwarder:
+    """Forwards connections to `port` on a sandbox's loopback to the relay's Unix socket."""
+
+    def __init__(self, listener: socket.socket, relay_socket: Path) -> None:
+        self.relay_socket = relay_socket
+        self.open_connections = 0
+        listener.setblocking(False)
+        self._socket = listener
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, pidfd: int, port: int, relay_socket: Path) -> RelayForwarder:
+        """Listen on `127.0.0.1:port` in the network namespace of `pidfd` (a sandbox's pid 1)
+        and start forwarding; it listens when this returns.
+
+        Raises:
+            ProcessLookupError: the sandbox is gone.
+            OSError: the port cannot be bound.
+        """
+        forwarder = cls(listen_in_namespace(pidfd, "127.0.0.1", port), relay_socket)
+        forwarder._task = asyncio.get_running_loop().create_task(forwarder._serve())
+        return forwarder
+
+    async def aclose(self) -> None:
+        """Stop listening and end every connection (idempotent; completes when cancelled)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([task])
+        self._socket.close()  # if the task never ran
+
+    async def _serve(self) -> None:
+        listener = await SocketListener.from_socket(self._socket)
+        async with listener, anyio.create_task_group() as tg:
+            while True:
+                client = await listener.accept()
+                if self.open_connections >= MAX_CONNECTIONS:
+                    await client.aclose()
+                    continue
+                self.open_connections += 1
+                tg.start_soon(self._forward, client)
+
+    async def _forward(self, client: ByteStream) -> None:
+        try:
+            async with client:
+                try:
+                    upstream = await anyio.connect_unix(self.relay_socket)
+                except OSError:
+                    return  # the relay is gone: the client sees its connection closed
+                async with upstream, anyio.create_task_group() as tg:
+                    tg.start_soon(_pipe, client, upstream)
+                    await _pipe(upstream, client)
+                    tg.cancel_scope.cancel()  # the relay closed: the exchange is over
+        finally:
+            self.open_connections -= 1
+
+
+async def _pipe(source: ByteStream, sink: ByteStream) -> None:
+    """Copy `source` to `sink` until `source` ends, then half-close `sink`."""
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        while True:
+            try:
+                chunk = await source.receive(CHUNK)
+            except anyio.EndOfStream:
+                break
+            await sink.send(chunk)
+        await sink.send_eof()
