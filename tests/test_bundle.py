@@ -479,6 +479,10 @@ async def test_repeat_rollouts_fork_from_the_warm_runner_and_match_a_cold_one(
     # From the server the project's warm-up ran in (a cold runner never calls it).
     assert first.sample.metrics["warmed_up"] == repeat.sample.metrics["warmed_up"] == 1
     assert baseline.sample.metrics["warmed_up"] == 0
+    # The workflow reached the relay with its own client on the plain base URL, and nothing
+    # but the runner ran in the sandbox for it (no forwarder process).
+    for result in (first, repeat, baseline):
+        assert result.sample and result.sample.metrics["other_processes"] == 0
     assert len(servers) == 1  # one server (one uid range) served both
     # aclose() ended it.
     assert not await anyio.Path(f"/proc/{servers[0].proc.pid}").exists()

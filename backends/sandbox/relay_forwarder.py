@@ -11,8 +11,9 @@ neither kill it nor take its port (that port is held by a host socket).
 
 Its serving task spans `LocalSandbox.start()` and `stop()`, which Harbor calls from different
 tasks, so it is one task of the event loop that `aclose()` cancels and awaits; everything it
-runs lives in its own task group. It holds at most `MAX_CONNECTIONS` connections at once (each
-costs this process two fds); past that a connection is closed at once.
+runs lives in its own task group. It forwards at most `MAX_CONNECTIONS` connections at once
+(each costs this process two fds); more wait in the listening socket's backlog, and past
+that in the sandbox's own connect, until one ends: a burst is served late, never refused.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from anyio.abc import ByteStream, SocketListener
 
 from backends.sandbox.forkserver import open_namespaces
 
-MAX_CONNECTIONS = 128
+MAX_CONNECTIONS = 64
 CHUNK = 65536
 
 
@@ -99,16 +100,19 @@ class RelayForwarder:
 
     async def _serve(self) -> None:
         listener = await SocketListener.from_socket(self._socket)
+        slots = anyio.Semaphore(MAX_CONNECTIONS)
         async with listener, anyio.create_task_group() as tg:
             while True:
-                client = await listener.accept()
-                if self.open_connections >= MAX_CONNECTIONS:
-                    await client.aclose()
-                    continue
-                self.open_connections += 1
-                tg.start_soon(self._forward, client)
+                await slots.acquire()  # at the cap, new connections wait in the backlog
+                try:
+                    client = await listener.accept()
+                except BaseException:
+                    slots.release()
+                    raise
+                tg.start_soon(self._forward, client, slots)
 
-    async def _forward(self, client: ByteStream) -> None:
+    async def _forward(self, client: ByteStream, slots: anyio.Semaphore) -> None:
+        self.open_connections += 1
         try:
             async with client:
                 try:
@@ -121,6 +125,7 @@ class RelayForwarder:
                     tg.cancel_scope.cancel()  # the relay closed: the exchange is over
         finally:
             self.open_connections -= 1
+            slots.release()
 
 
 async def _pipe(source: ByteStream, sink: ByteStream) -> None:
