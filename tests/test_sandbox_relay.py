@@ -48,6 +48,29 @@ async def test_relay_socket_reachable_without_network(tmp_path: Path) -> None:
         server.close()
 
 
+async def test_relay_port_is_served_in_a_sandbox_with_network_too(tmp_path: Path) -> None:
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"relay:" + (await reader.read(100))[:3])
+        writer.close()
+
+    path = tmp_path / "relay.sock"
+    server = await asyncio.start_unix_server(relay, path)
+    path.chmod(0o666)
+    kwargs = {"relay_socket": str(path), "relay_port": 18125, "network": "public"}
+    env = LOCAL.make(tmp_path, kwargs=kwargs)
+    await env.start(force_build=False)
+    try:
+        res = await env.exec(
+            'grep -c : /proc/net/dev; python3 -c "import socket; '
+            "s=socket.create_connection(('127.0.0.1', 18125)); s.sendall(b'GET');"
+            'print(s.recv(100).decode())"'
+        )
+        assert res.stdout == "2\nrelay:GET\n", res  # loopback and the NAT'd interface
+    finally:
+        await env.stop(delete=True)
+        server.close()
+
+
 async def test_host_python_and_extra_binds(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -20,50 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
-import threading
 from pathlib import Path
 
 import anyio
 from anyio.abc import ByteStream, SocketListener
 
-from backends.sandbox.forkserver import open_namespaces
+from backends.sandbox.namespaces import listen_in_namespace
 
 MAX_CONNECTIONS = 64
 CHUNK = 65536
-
-
-def listen_in_namespace(pidfd: int, host: str, port: int) -> socket.socket:
-    """A TCP socket listening on `host:port` in the network namespace of the live process
-    `pidfd`.
-
-    Raises:
-        ProcessLookupError: that process is gone.
-        OSError: the port cannot be bound there.
-    """
-    (netns,) = open_namespaces(pidfd, ("net",))
-    made: list[socket.socket] = []
-    failed: list[BaseException] = []
-
-    def inside() -> None:
-        # setns changes only this thread's namespace, and the thread ends right after: no
-        # other socket of this process is ever made in the sandbox's namespace.
-        try:
-            os.setns(netns, os.CLONE_NEWNET)
-            made.append(socket.create_server((host, port), backlog=MAX_CONNECTIONS))
-        except BaseException as e:
-            failed.append(e)
-
-    try:
-        thread = threading.Thread(target=inside, name="relay-listener")
-        thread.start()
-        thread.join()
-    finally:
-        os.close(netns)
-    if failed:
-        raise failed[0]
-    return made[0]
 
 
 class RelayForwarder:
@@ -71,7 +37,6 @@ class RelayForwarder:
 
     def __init__(self, listener: socket.socket, relay_socket: Path) -> None:
         self.relay_socket = relay_socket
-        self.open_connections = 0
         listener.setblocking(False)
         self._socket = listener
         self._task: asyncio.Task[None] | None = None
@@ -85,7 +50,8 @@ class RelayForwarder:
             ProcessLookupError: the sandbox is gone.
             OSError: the port cannot be bound.
         """
-        forwarder = cls(listen_in_namespace(pidfd, "127.0.0.1", port), relay_socket)
+        listener = listen_in_namespace(pidfd, "127.0.0.1", port, backlog=MAX_CONNECTIONS)
+        forwarder = cls(listener, relay_socket)
         forwarder._task = asyncio.get_running_loop().create_task(forwarder._serve())
         return forwarder
 
@@ -112,7 +78,6 @@ class RelayForwarder:
                 tg.start_soon(self._forward, client, slots)
 
     async def _forward(self, client: ByteStream, slots: anyio.Semaphore) -> None:
-        self.open_connections += 1
         try:
             async with client:
                 try:
@@ -124,7 +89,6 @@ class RelayForwarder:
                     await _pipe(upstream, client)
                     tg.cancel_scope.cancel()  # the relay closed: the exchange is over
         finally:
-            self.open_connections -= 1
             slots.release()
 
 
