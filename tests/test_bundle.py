@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -243,17 +243,30 @@ async def relay(tmp_path: Path) -> AsyncIterator[Relay]:
         yield relay
 
 
-def in_sandbox(
-    tmp_path: Path, workflow: str, project: Path = PROJECT, **kwargs: Any
-) -> HarborBackend:
-    kwargs.setdefault("grader", f"{project}/main.py:NonEmptyAnswer")
-    return HarborBackend(
-        tasks_dir=TEMPLATE,
-        agent=f"{project}/main.py:{workflow}",
-        trials_dir=tmp_path / "trials",
-        artifacts=tmp_path / "out",
-        **kwargs,
-    )
+@pytest.fixture
+async def in_sandbox(tmp_path: Path) -> AsyncIterator[Callable[..., HarborBackend]]:
+    """Makes HarborBackends running a workflow in sandboxes; closes each after the test (its
+    warm runner's sandbox would otherwise run, holding a uid range, until the process ends)."""
+    made: list[HarborBackend] = []
+
+    def make(
+        workflow: str, project: Path = PROJECT, *, where: Path = tmp_path, **kwargs: Any
+    ) -> HarborBackend:
+        kwargs.setdefault("grader", f"{project}/main.py:NonEmptyAnswer")
+        made.append(
+            HarborBackend(
+                tasks_dir=TEMPLATE,
+                agent=f"{project}/main.py:{workflow}",
+                trials_dir=where / "trials",
+                artifacts=where / "out",
+                **kwargs,
+            )
+        )
+        return made[-1]
+
+    yield make
+    for backend in made:
+        await backend.aclose()
 
 
 async def run_one(relay: Relay, backend: HarborBackend, **kwargs: Any) -> RolloutResult:
@@ -266,9 +279,9 @@ async def run_one(relay: Relay, backend: HarborBackend, **kwargs: Any) -> Rollou
 @pytest.mark.anyio
 @pytest.mark.parametrize("workflow", ["ReturnsOutput", "ReturnsList", "RegistersSource"])
 async def test_each_return_shape_gives_the_sample_inside(
-    tmp_path: Path, relay: Relay, workflow: str
+    tmp_path: Path, relay: Relay, workflow: str, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
-    result = await run_one(relay, in_sandbox(tmp_path, workflow))
+    result = await run_one(relay, in_sandbox(workflow))
     assert result.status is RolloutStatus.SUCCESS, result.failure
     assert result.sample is not None
     assert result.sample.messages[:1] == PROMPT
@@ -288,9 +301,9 @@ async def test_each_return_shape_gives_the_sample_inside(
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_a_raising_workflow_is_an_agent_error_with_its_traceback(
-    tmp_path: Path, relay: Relay
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
-    result = await run_one(relay, in_sandbox(tmp_path, "Raises"))
+    result = await run_one(relay, in_sandbox("Raises"))
     assert result.status is RolloutStatus.FAILURE and result.reward is None
     assert result.failure is not None
     assert result.failure.category is ErrorCategory.AGENT_ERROR
@@ -301,8 +314,10 @@ async def test_a_raising_workflow_is_an_agent_error_with_its_traceback(
 
 @pytest.mark.sandbox
 @pytest.mark.anyio
-async def test_a_missing_sample_is_a_failure_never_reward_0(tmp_path: Path, relay: Relay) -> None:
-    result = await run_one(relay, in_sandbox(tmp_path, "DiesWithoutOutput"))
+async def test_a_missing_sample_is_a_failure_never_reward_0(
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
+) -> None:
+    result = await run_one(relay, in_sandbox("DiesWithoutOutput"))
     assert result.status is RolloutStatus.FAILURE and result.reward is None
     assert result.failure is not None
     assert result.failure.category is ErrorCategory.AGENT_ERROR
@@ -312,11 +327,11 @@ async def test_a_missing_sample_is_a_failure_never_reward_0(tmp_path: Path, rela
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_the_label_is_nowhere_in_the_sandbox_and_there_is_no_network(
-    tmp_path: Path, relay: Relay
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
     label = "CANARY-" + uuid.uuid4().hex
     planted = "CANARY-" + uuid.uuid4().hex  # in the metadata, which does enter: proves the search
-    backend = in_sandbox(tmp_path, "Snoops")
+    backend = in_sandbox("Snoops")
     result = await run_one(relay, backend, label=label, metadata={"note": planted})
     assert _warm_servers(backend)  # forked from a warm runner, which never saw the label
     await backend.aclose()
@@ -331,9 +346,9 @@ async def test_the_label_is_nowhere_in_the_sandbox_and_there_is_no_network(
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_a_running_backend_holds_its_bundle_and_environment_against_pruning(
-    tmp_path: Path, relay: Relay
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
-    backend = in_sandbox(tmp_path, "ReturnsOutput")
+    backend = in_sandbox("ReturnsOutput")
     result = await run_one(relay, backend)
     assert result.status is RolloutStatus.SUCCESS, result.failure
     plan = backend.settings.workflow
@@ -380,9 +395,9 @@ async def test_the_install_check_cannot_alter_the_environment_it_imports_from(
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_a_running_workflow_previews_live_from_inside_its_sandbox(
-    tmp_path: Path, relay: Relay
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
-    backend = in_sandbox(tmp_path, "Previewed")
+    backend = in_sandbox("Previewed")
     await backend.start()
     assert backend.settings.workflow is not None
     backend.settings.workflow.preview_interval_sec = 0.2
@@ -417,9 +432,9 @@ async def test_a_running_workflow_previews_live_from_inside_its_sandbox(
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_an_unrelayed_request_is_refused_the_upstream_key_never_enters(
-    tmp_path: Path,
+    in_sandbox: Callable[..., HarborBackend],
 ) -> None:
-    backend = in_sandbox(tmp_path, "ReturnsList")
+    backend = in_sandbox("ReturnsList")
     request = RolloutRequest(
         rollout_id="direct",
         prompt=PROMPT,
@@ -436,7 +451,7 @@ async def test_an_unrelayed_request_is_refused_the_upstream_key_never_enters(
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_arithmetic_in_sandboxes_matches_local_backend_row_by_row(
-    tmp_path: Path, relay: Relay
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
     requests = requests_from_dataset(ROOT / "tasks" / "data" / "arithmetic.jsonl")
     local = LocalBackend(
@@ -445,7 +460,6 @@ async def test_arithmetic_in_sandboxes_matches_local_backend_row_by_row(
         artifacts_root=None,
     )
     sandboxed = in_sandbox(
-        tmp_path,
         "ArithmeticWorkflow",
         ARITHMETIC,
         grader=f"{ARITHMETIC}/main.py:ExactAnswerGrader",
@@ -478,10 +492,10 @@ def _warm_servers(backend: HarborBackend) -> list[Any]:
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_repeat_rollouts_fork_from_the_warm_runner_and_match_a_cold_one(
-    tmp_path: Path, relay: Relay
+    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
-    warm = in_sandbox(tmp_path / "warm", "ReportsParent")
-    cold = in_sandbox(tmp_path / "cold", "ReportsParent")
+    warm = in_sandbox("ReportsParent", where=tmp_path / "warm")
+    cold = in_sandbox("ReportsParent", where=tmp_path / "cold")
     assert cold.settings.workflow is not None
     cold.settings.workflow.fork_server = False
     try:
@@ -515,9 +529,9 @@ async def test_repeat_rollouts_fork_from_the_warm_runner_and_match_a_cold_one(
 @pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_killing_the_warm_runner_mid_batch_loses_no_rollout(
-    tmp_path: Path, relay: Relay
+    relay: Relay, in_sandbox: Callable[..., HarborBackend]
 ) -> None:
-    backend = in_sandbox(tmp_path, "ReportsParent", max_concurrent=3)
+    backend = in_sandbox("ReportsParent", max_concurrent=3)
     results: list[RolloutResult] = []
     killed: list[int] = []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,28 @@ async def relay(tmp_path: Path) -> AsyncIterator[Relay]:
         yield relay
 
 
-def sandboxed(tmp_path: Path, agent: str, grader: str) -> HarborBackend:
-    return HarborBackend(
-        tasks_dir=TEMPLATE,
-        agent=agent,
-        grader=grader,
-        trials_dir=tmp_path / "trials",
-        artifacts=tmp_path / "out",
-        max_concurrent=4,
-    )
+@pytest.fixture
+async def sandboxed(tmp_path: Path) -> AsyncIterator[Callable[..., HarborBackend]]:
+    """Makes HarborBackends over the workflow template; closes each after the test (its warm
+    runner's sandbox would otherwise run, holding a uid range, until the process ends)."""
+    made: list[HarborBackend] = []
+
+    def make(agent: str, grader: str, **kwargs: Any) -> HarborBackend:
+        made.append(
+            HarborBackend(
+                tasks_dir=TEMPLATE,
+                agent=agent,
+                grader=grader,
+                trials_dir=tmp_path / "trials",
+                artifacts=tmp_path / "out",
+                **{"max_concurrent": 4, **kwargs},
+            )
+        )
+        return made[-1]
+
+    yield make
+    for backend in made:
+        await backend.aclose()
 
 
 def valid_atif(path: Path) -> None:
@@ -70,10 +83,9 @@ def valid_atif(path: Path) -> None:
 
 @pytest.mark.parametrize("example", ["strands-calculator", "openai-agents-calculator"])
 async def test_each_integration_example_runs_in_a_sandbox(
-    tmp_path: Path, relay: Relay, example: str
+    tmp_path: Path, relay: Relay, example: str, sandboxed: Callable[..., HarborBackend]
 ) -> None:
     backend = sandboxed(
-        tmp_path,
         f"{ROOT}/tasks/rollouts/{example}/main.py:CalculatorWorkflow",
         "backends.graders:ExactMatchGrader",
     )
@@ -106,9 +118,11 @@ async def test_each_integration_example_runs_in_a_sandbox(
         assert all(s.metrics and s.metrics.completion_token_ids for s in agent_steps)
 
 
-async def test_the_arithmetic_example_runs_in_a_sandbox(tmp_path: Path, relay: Relay) -> None:
+async def test_the_arithmetic_example_runs_in_a_sandbox(
+    tmp_path: Path, relay: Relay, sandboxed: Callable[..., HarborBackend]
+) -> None:
     example = ROOT / "tasks" / "rollouts" / "arithmetic" / "main.py"
-    backend = sandboxed(tmp_path, f"{example}:ArithmeticWorkflow", f"{example}:ExactAnswerGrader")
+    backend = sandboxed(f"{example}:ArithmeticWorkflow", f"{example}:ExactAnswerGrader")
     results = await collect(RelayedBackend(backend, relay), requests_from_dataset(ARITHMETIC))
     assert {r.status for r in results} == {RolloutStatus.SUCCESS}, [r.failure for r in results]
     assert [r.reward for r in results] == [1.0] * len(results)  # the script's answers
@@ -118,7 +132,10 @@ async def test_the_arithmetic_example_runs_in_a_sandbox(tmp_path: Path, relay: R
 
 
 async def test_a_rubric_judge_is_called_from_the_host_and_its_key_never_enters(
-    tmp_path: Path, relay: Relay, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    relay: Relay,
+    monkeypatch: pytest.MonkeyPatch,
+    sandboxed: Callable[..., HarborBackend],
 ) -> None:
     """The workflow runs in the sandbox; the rubric grader grades its sample on the host,
     calling the configured judge endpoint with the key from the host's environment. The
@@ -138,13 +155,11 @@ async def test_a_rubric_judge_is_called_from_the_host_and_its_key_never_enters(
         config = RubricGraderConfig(
             rubric=Rubric(id="answer", rubric="Award 1 for 42.", model_info=model)
         )
-        backend = HarborBackend(
-            tasks_dir=TEMPLATE,
-            agent=f"{BUNDLE_PROJECT}/main.py:Snoops",
-            grader="backends.graders:RubricGrader",
+        backend = sandboxed(
+            f"{BUNDLE_PROJECT}/main.py:Snoops",
+            "backends.graders:RubricGrader",
             grader_config=config,
-            trials_dir=tmp_path / "trials",
-            artifacts=tmp_path / "out",
+            max_concurrent=None,
         )
         request = RolloutRequest(
             rollout_id="judged",
