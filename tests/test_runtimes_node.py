@@ -65,6 +65,7 @@ class Agent:
     name: str
     api: str  # the wire format it speaks to the relay
     argument: str  # its shell tool's argument holding the command
+    calls: int = 2  # policy calls per task: the command, then the answer (and any extra)
 
     @property
     def script_path(self) -> Path:
@@ -80,7 +81,8 @@ class Agent:
 
 CODEX = Agent("codex", "responses", "cmd")
 CLAUDE_CODE = Agent("claude-code", "messages", "command")
-AGENTS = [CODEX, CLAUDE_CODE]
+OPENCODE = Agent("opencode", "responses", "command", calls=3)  # it also asks for a title
+AGENTS = [CODEX, CLAUDE_CODE, OPENCODE]
 
 
 @pytest.fixture
@@ -118,8 +120,8 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
     calls = result.policy_trace.calls
     assert [(c.api, c.upstream_api, c.status) for c in calls] == [
         (agent.api, "chat.completions", 200)
-    ] * 2
-    ask, answer = calls
+    ] * agent.calls
+    ask, answer = calls[-2:]
     for call in calls:
         assert call.completion_token_ids and call.logprobs is not None
         assert len(call.logprobs) == len(call.completion_token_ids)
@@ -178,6 +180,30 @@ async def test_harbors_node_agent_solves_a_dataset_task_offline(
 
 
 @pytest.mark.sandbox
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+async def test_harbors_node_agent_runs_as_a_non_root_agent_user(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """`[agent] user = "agent"`: the runtime is bound under folders open to every user, so
+    the agent runs as that user (the task's verifier checks who wrote ~/whoami.txt)."""
+    async with (
+        ScriptedPolicy(Script.load(agent.script_path)) as policy,
+        Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
+    ):
+        backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+        rollout = RolloutRequest(
+            rollout_id=f"{agent.name}-nonroot",
+            prompt=[],
+            metadata={"harbor_task_id": "nonroot-agent"},
+        )
+        [result] = await collect(RelayedBackend(backend, relay), [rollout])
+        await backend.aclose()
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0
+    assert [c.status for c in result.policy_trace.calls] == [200] * agent.calls
+
+
+@pytest.mark.sandbox
 @pytest.mark.parametrize("agent", [CODEX], ids=lambda a: a.name)
 async def test_codex_in_template_mode_with_a_host_grader(
     agent: Agent, tmp_path: Path, relay: Relay
@@ -212,7 +238,7 @@ def test_backends_run_drives_a_node_agent_with_a_policy_script(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == 2, summary
+    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == agent.calls, summary
     assert "handshake" not in done.stderr  # Codex's websocket try is refused cleanly
 
 

@@ -37,7 +37,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
@@ -243,6 +243,11 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int, seccomp_fd: int) -> lis
         if Path("/etc/hosts").exists():
             argv += ["--ro-bind", "/etc/hosts", "/etc/hosts"]
     for i, b in enumerate(spec.binds):
+        # The folders a bind's mount point needs are made open to every user (bwrap's own are
+        # 0700, which kept a task's non-root agent user from a runtime under
+        # /var/cache/backends); folders the image has keep their own mode.
+        for folder in reversed(PurePosixPath(b.target).parents[:-1]):
+            argv += ["--perms", "0755", "--dir", str(folder)]
         argv += ["--ro-bind" if b.read_only else "--bind", str(staged(spec, i)), b.target]
     return [*argv, "--", *KEEPALIVE]
 
