@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -42,6 +41,7 @@ import anyio
 
 from backends.sandbox import launcher, seccomp
 from backends.sandbox.cgroups import Join
+from backends.sandbox.pidfds import has_exited
 from backends.sandbox.runtime import BwrapSandbox
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class ForkServer:
         except (OSError, ValueError):
             fields = {}
         uids = fields.get("Uid", "").split()
-        gone = select.select([pidfd], [], [], 0)[0]  # then that status was another's
+        gone = has_exited(pidfd)  # then that status was another's
         if (
             gone
             or fields.get("PPid", "").strip() != str(self.proc.pid)
@@ -332,7 +332,7 @@ def open_namespaces(pidfd: int) -> list[int]:
     try:
         for name in NAMESPACES:
             fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
-        if select.select([pidfd], [], [], 0)[0]:  # exited: those may be another's
+        if has_exited(pidfd):  # exited: those may be another's
             raise ProcessLookupError(f"process {pid} is gone")
     except BaseException:
         for fd in fds:
@@ -356,7 +356,7 @@ def owner_uid(pidfd: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Uid:"):
             uid = int(line.split()[2])  # effective
-            if select.select([pidfd], [], [], 0)[0]:
+            if has_exited(pidfd):
                 raise ProcessLookupError(f"process {pid} is gone")
             return uid
     raise ProcessLookupError(f"process {pid} has no status")
