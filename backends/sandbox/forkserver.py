@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -43,6 +42,7 @@ import anyio
 from backends.sandbox import launcher, seccomp
 from backends.sandbox.cgroups import Join
 from backends.sandbox.namespaces import open_namespaces, owner_uid
+from backends.sandbox.pidfds import has_exited
 from backends.sandbox.runtime import BwrapSandbox
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class ForkServer:
         except (OSError, ValueError):
             fields = {}
         uids = fields.get("Uid", "").split()
-        gone = select.select([pidfd], [], [], 0)[0]  # then that status was another's
+        gone = has_exited(pidfd)  # then that status was another's
         if (
             gone
             or fields.get("PPid", "").strip() != str(self.proc.pid)

@@ -8,11 +8,12 @@ alive afterwards.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from backends.sandbox.pidfds import has_exited
 
 
 def open_namespaces(pidfd: int, names: Sequence[str]) -> list[int]:
@@ -26,7 +27,7 @@ def open_namespaces(pidfd: int, names: Sequence[str]) -> list[int]:
     try:
         for name in names:
             fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
-        if select.select([pidfd], [], [], 0)[0]:  # exited: those may be another's
+        if has_exited(pidfd):  # exited: those may be another's
             raise ProcessLookupError(f"process {pid} is gone")
     except BaseException:
         for fd in fds:
@@ -51,7 +52,7 @@ def owner_uid(pidfd: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Uid:"):
             uid = int(line.split()[2])  # effective
-            if select.select([pidfd], [], [], 0)[0]:
+            if has_exited(pidfd):
                 raise ProcessLookupError(f"process {pid} is gone")
             return uid
     raise ProcessLookupError(f"process {pid} has no status")
