@@ -27,7 +27,7 @@ from typing import Protocol
 
 import anyio
 
-from backends.sandbox.settings import UID_BASE
+from backends.sandbox.settings import UID_BASE, cache_dir
 
 
 class RuntimeBuildError(ValueError):
@@ -227,13 +227,21 @@ class NodeRuntime:
                 "host (`make setup` installs it; or apt-get install npm)"
             )
         await run_tool(
-            [npm, "install", "--prefix", str(stage), "--ignore-scripts", "--no-audit",
-             "--no-fund", "--no-update-notifier", "--loglevel=error",
+            [npm, "install", "--prefix", str(stage), "--ignore-scripts", "--install-links",
+             "--no-audit", "--no-fund", "--no-update-notifier", "--loglevel=error",
              f"{self.node_package}@{self.node}", *self.packages],
             what=f"downloading {', '.join(self.packages)} and Node {self.node} from the npm "
             f"registry for the {self.name} runtime",
         )  # fmt: skip
         lock = json.loads((stage / "package-lock.json").read_text())["packages"]
+        # Every package is a copy inside the runtime (local folders too: --install-links),
+        # never a link to a folder of the host's, which the runtime would depend on and
+        # whose install scripts would change it.
+        outside = [k for k in lock if (k and not k.startswith("node_modules/")) or ".." in k]
+        if outside:
+            raise RuntimeBuildError(
+                f"the {self.name} runtime would use packages outside it: {', '.join(outside)}"
+            )
         await self._run_install_scripts(
             stage, [k for k, v in lock.items() if k and v.get("hasInstallScript")]
         )
@@ -262,8 +270,14 @@ class NodeRuntime:
         from backends.bundle.build import BundleError
         from backends.bundle.environment import run_in_sandbox
 
+        if not stage.is_relative_to(cache_dir()):
+            raise RuntimeBuildError(
+                f"the {self.name} runtime's install scripts run in a sandbox, whose root writes "
+                f"only under the cache ({cache_dir()}); {stage.parent} is not in it"
+            )
         path = f'export PATH={shlex.quote(str(stage / "node_modules" / ".bin"))}:"$PATH"'
-        _chown_tree(stage, UID_BASE)  # the sandbox's root writes it
+        # Host UID_BASE is the sandbox's root under the cache (an idmapped view of it).
+        _chown_tree(stage, UID_BASE)
         try:
             with tempfile.TemporaryDirectory(prefix="runtime-scripts-") as empty:
                 await run_in_sandbox(

@@ -27,7 +27,6 @@ import hashlib
 import itertools
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -45,6 +44,7 @@ import anyio
 from backends.sandbox import seccomp
 from backends.sandbox.cgroups import Join
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
+from backends.sandbox.pidfds import has_exited
 from backends.sandbox.settings import UID_BASE, UID_COUNT, cache_dir
 
 _ZYGOTE = Path(__file__).with_name("zygote.py")
@@ -567,7 +567,7 @@ class Booted:
         if self.init_fd < 0:
             return False
         # Readable once it exited, even while still a zombie (a signal would reach that).
-        return not select.select([self.init_fd], [], [], 0)[0]
+        return not has_exited(self.init_fd)
 
     def open_namespace(self, name: str) -> int:
         """An fd of one of the sandbox's namespaces, checked to belong to its live pid 1.
