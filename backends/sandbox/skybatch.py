@@ -11,10 +11,11 @@ every name keeps the run's prefix, so the reaper finds them after a crash.
 
 The call runs in a task of the batcher's (one per owner, a backend, and event loop), never in
 a waiting creator's, so a creator cancelled mid-call cancels nothing for the others: its
-sandbox, once made, is terminated instead of handed over. A call that fails has every member the listing shows
-terminated, and is retried (backoff, a fresh name) when the failure is transient; a creator
-whose batch failed for good gets the error. ``aclose(owner)`` waits for that owner's calls in
-flight and terminates what no creator took; other owners' creates go on untouched.
+sandbox, once made, is terminated instead of handed over. A call that fails has every member
+the listing shows terminated, and is retried (backoff, a fresh name) when the failure is
+transient; a creator whose batch failed for good gets the error. ``aclose(owner)`` waits for
+that owner's calls in flight and terminates what no creator took; other owners' creates go on
+untouched.
 """
 
 from __future__ import annotations
