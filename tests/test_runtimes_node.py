@@ -46,7 +46,17 @@ HOST_CREDENTIALS = (
     "ANTHROPIC_AUTH_TOKEN",
     "CLAUDE_CODE_OAUTH_TOKEN",
     "AWS_ACCESS_KEY_ID",
+    "AWS_BEARER_TOKEN_BEDROCK",
 )
+# Host switches Harbor's model-connection resolution and commands read: none may move the
+# agent off the relay (Bedrock would time out offline, a reward-0 "success"), drop its key or
+# change how it runs.
+HOST_SWITCHES = {
+    "CLAUDE_CODE_USE_BEDROCK": "1",
+    "CODEX_FORCE_AUTH_JSON": "1",
+    "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "7",
+    "CLAUDE_CODE_DISABLE_ADAPTIVE_THINKING": "1",
+}
 OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
 
 # Saves the environment of every process in the sandbox (the agent's own among them), which
@@ -70,11 +80,12 @@ class Agent:
     def script_path(self) -> Path:
         return TEMPLATES / f"{self.name}.json"
 
-    def spying_script(self) -> Script:
+    def spying_script(self, then: str = "") -> Script:
+        """The agent's script, its command run after the spy (and then ``then``)."""
         data = json.loads(self.script_path.read_text())
         for rule in data["rules"]:
             arguments = rule["turns"][0]["tool_calls"][0]["arguments"]
-            arguments[self.argument] = SPY + arguments[self.argument]
+            arguments[self.argument] = SPY + arguments[self.argument] + then
         return Script.model_validate(data)
 
 
@@ -84,9 +95,14 @@ AGENTS = [CODEX, CLAUDE_CODE]
 
 
 @pytest.fixture
-async def relay(agent: Agent, tmp_path: Path) -> AsyncIterator[Relay]:
+def then() -> str:
+    return ""  # what the agent's command runs last (none unless a test says so)
+
+
+@pytest.fixture
+async def relay(agent: Agent, tmp_path: Path, then: str) -> AsyncIterator[Relay]:
     async with (
-        ScriptedPolicy(agent.spying_script()) as policy,
+        ScriptedPolicy(agent.spying_script(then)) as policy,
         Relay(
             upstream_url=policy.base_url,
             upstream_api_key=UPSTREAM_KEY,
@@ -144,6 +160,7 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
         f"OPENAI_BASE_URL={route}/v1" if agent is CODEX else f"ANTHROPIC_BASE_URL={route}"
     ) in env
     assert UPSTREAM_KEY not in env and HOST_SECRET not in env
+    assert not {line.partition("=")[0] for line in env.splitlines()} & set(HOST_SWITCHES)
     # The runtime's Node stays off the agent's PATH, and the runtime is read-only to it.
     assert not (seen / "node.txt").read_text().startswith(str(runtimes_dir()))
     writable = (seen / "writable.txt").read_text().split()
@@ -156,10 +173,26 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
     assert UPSTREAM_KEY not in written and HOST_SECRET not in written
 
 
+async def solve_workdir_copy(agent: Agent, tmp_path: Path, relay: Relay) -> Any:
+    """One rollout of the dataset's workdir-copy task, through the relay."""
+    backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+    rollout = RolloutRequest(
+        rollout_id=f"{agent.name}-copy", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    )
+    [result] = await collect(RelayedBackend(backend, relay), [rollout])
+    await backend.aclose()
+    return result
+
+
 @pytest.fixture
-def host_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+def host_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in HOST_CREDENTIALS:
         monkeypatch.setenv(name, HOST_SECRET)
+    for name, value in HOST_SWITCHES.items():
+        monkeypatch.setenv(name, value)
+    auth = tmp_path / "host-auth.json"
+    auth.write_text(json.dumps({"OPENAI_API_KEY": HOST_SECRET}))
+    monkeypatch.setenv("CODEX_AUTH_JSON_PATH", str(auth))
 
 
 @pytest.mark.sandbox
@@ -168,13 +201,40 @@ def host_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_harbors_node_agent_solves_a_dataset_task_offline(
     agent: Agent, tmp_path: Path, relay: Relay
 ) -> None:
-    backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
-    rollout = RolloutRequest(
-        rollout_id=f"{agent.name}-sum", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
-    )
-    [result] = await collect(RelayedBackend(backend, relay), [rollout])
-    await backend.aclose()
-    check_solved(agent, result, tmp_path)
+    check_solved(agent, await solve_workdir_copy(agent, tmp_path, relay), tmp_path)
+
+
+# A sparse 1 GiB session where Harbor's class converts it after the run (codex: in its home's
+# sessions, copied to the logs at the end; the name sorts last, so it is the one converted).
+SPARSE_SESSION = {
+    "claude-code": "; mkdir -p /logs/agent/sessions/projects/-app && truncate -s 1G "
+    "/logs/agent/sessions/projects/-app/00000000-0000-4000-8000-000000000000.jsonl",
+    "codex": "; for d in /installed-agent/codex-home/sessions/*/*/*; do truncate -s 1G "
+    "$d/rollout-9999-12-31T00-00-00-zzzz.jsonl; done; true",
+}
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(
+    ("agent", "then"),
+    [(a, SPARSE_SESSION[a.name]) for a in AGENTS],
+    ids=lambda a: getattr(a, "name", ""),
+)
+async def test_a_sparse_session_file_is_never_read_by_the_host(
+    agent: Agent, tmp_path: Path, relay: Relay
+) -> None:
+    # Harbor's claude-code and codex classes read each session line whole after the run (on
+    # the event loop): 1 GiB of holes took +2 GiB of the orchestrator's memory and blocked
+    # every rollout for seconds. The agent's logs are refused at the download instead, naming
+    # the file: the reward and the relay's trace stay, the sample is the instruction alone.
+    result = await solve_workdir_copy(agent, tmp_path, relay)
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0
+    assert len(result.policy_trace.calls) == 2
+    assert [m["role"] for m in result.sample.messages] == ["user"]
+    [log] = (tmp_path / "trials").glob("*/trial.log")
+    assert "jsonl' is 1073741824 bytes; files named like it are read whole" in log.read_text()
+    assert not list((tmp_path / "trials").rglob("*.jsonl"))
 
 
 @pytest.mark.sandbox
