@@ -29,6 +29,7 @@ from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
 from backends.relay import Relay, Script, ScriptedPolicy
 from backends.relayed import RelayedBackend
 from backends.runtimes import RUNTIMES, RuntimeBuildError, ensure_runtime, runtimes_dir
+from backends.runtimes.agents import ClaudeCode, Codex
 from backends.runtimes.recipes import NodeRuntime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1800)]
@@ -92,6 +93,7 @@ class Agent:
 CODEX = Agent("codex", "responses", "cmd")
 CLAUDE_CODE = Agent("claude-code", "messages", "command")
 AGENTS = [CODEX, CLAUDE_CODE]
+AGENT_CLASSES = {"codex": Codex, "claude-code": ClaudeCode}
 
 
 @pytest.fixture
@@ -202,6 +204,32 @@ async def test_harbors_node_agent_solves_a_dataset_task_offline(
     agent: Agent, tmp_path: Path, relay: Relay
 ) -> None:
     check_solved(agent, await solve_workdir_copy(agent, tmp_path, relay), tmp_path)
+
+
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("host_credentials")
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+async def test_the_hosts_environment_leaves_the_model_connection_alone(
+    agent: Agent, tmp_path: Path
+) -> None:
+    # Harbor's resolver read the host's environment after the agent's: Bedrock for
+    # claude-code (no relay), no API key for codex (its auth.json switches).
+    runtime = await ensure_runtime(RUNTIMES[agent.name])
+    route = {"OPENAI_BASE_URL": "http://relay/v1", "ANTHROPIC_BASE_URL": "http://relay"}
+    route |= {"OPENAI_API_KEY": "rollout-token", "ANTHROPIC_API_KEY": "rollout-token"}
+    try:
+        instance = AGENT_CLASSES[agent.name](
+            logs_dir=tmp_path,
+            model_name="openai/policy",
+            extra_env=route,
+            runtime_dir=str(runtime.path),
+        )
+        connection = instance.model_connection
+    finally:
+        runtime.release()
+    assert connection.api_key == "rollout-token"
+    # The route's values only (Harbor blanks ANTHROPIC_AUTH_TOKEN), no Bedrock or AWS switch.
+    assert {v for v in connection.env.values() if v} <= set(route.values()), connection.env
 
 
 # A sparse 1 GiB session where Harbor's class converts it after the run (codex: in its home's
