@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import uuid
@@ -263,6 +264,34 @@ async def test_a_sparse_session_file_is_never_read_by_the_host(
     [log] = (tmp_path / "trials").glob("*/trial.log")
     assert "jsonl' is 1073741824 bytes; files named like it are read whole" in log.read_text()
     assert not list((tmp_path / "trials").rglob("*.jsonl"))
+
+
+# A session of the agent's own making, named to sort last: the one Harbor's codex class converts.
+FAKE_SESSION = "".join(
+    json.dumps({"type": "response_item", "payload": {"type": "message", **m}}) + "\n"
+    for m in (
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "FABRICATED"}]},
+    )
+)
+SUBSTITUTED_SESSION = (
+    "; for d in /installed-agent/codex-home/sessions/*/*/*; do printf %s "
+    f"{shlex.quote(FAKE_SESSION)} > $d/rollout-9999-12-31T00-00-00-zzzz.jsonl; done; true"
+)
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(("agent", "then"), [(CODEX, SUBSTITUTED_SESSION)], ids=["codex"])
+async def test_a_session_the_agent_substitutes_is_flagged_by_the_relays_trace(
+    agent: Agent, tmp_path: Path, relay: Relay
+) -> None:
+    # Harbor's codex class converts the session file whose name sorts last, so the agent can
+    # choose the sample's messages; the relay's trace shows no policy call produced them.
+    result = await solve_workdir_copy(agent, tmp_path, relay)
+    assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0, result.failure
+    assert len(result.policy_trace.calls) == 2
+    assert result.sample.messages[-1] == {"role": "assistant", "content": "FABRICATED"}
+    assert result.sample.extra_fields["unrelayed_assistant_turns"] == [1]
 
 
 @pytest.mark.sandbox
