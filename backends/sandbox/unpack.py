@@ -46,6 +46,8 @@ PARSED_FILE_LIMITS = {
     "ctrf.json": 64 * 1024 * 1024,
     # Harbor's mini-swe-agent class (and ours, backends.runtimes) parse the native one.
     "mini-swe-agent.trajectory.json": 64 * 1024 * 1024,
+    # Harbor's opencode class parses the agent's output file.
+    "opencode.txt": 64 * 1024 * 1024,
 }
 # The same by base-name pattern, with a bound on all of a download's files of the pattern
 # together: (per file, total). Harbor's claude-code and codex classes convert the session
