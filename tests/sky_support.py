@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 FAKE = Path(__file__).parent / "skyfake"
 
@@ -54,3 +55,21 @@ def fake_sky_server() -> Iterator[dict[str, str]]:
         with contextlib.suppress(OSError):
             os.unlink(sock)
             os.rmdir(tmp)
+
+
+def _server() -> Any:
+    from sky_sandbox.client import ServerEngine
+
+    return ServerEngine(os.environ["SKYPILOT_API_SERVER_ENDPOINT"].removeprefix("unix://"))
+
+
+async def create_calls() -> list[dict[str, Any]]:
+    """Every create call the fake API server got (names asked for, spec), oldest first."""
+    return list((await _server().fake_stats())["create_calls"])
+
+
+async def inject_create_faults(*faults: dict[str, Any]) -> None:
+    """The next create calls meet these faults, in order: each ``{"make": "all" | "half" |
+    "none", "status": 503 | 500}`` makes that share of its sandboxes, then fails. Also
+    forgets the calls counted so far."""
+    await _server().fake_faults(list(faults), reset_log=True)

@@ -20,7 +20,7 @@ from harbor.agents.installed.base import BaseInstalledAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 from harbor.models.trial.config import EnvironmentConfig
-from sky_support import fake_sky_server
+from sky_support import create_calls, fake_sky_server
 from test_harbor_template import DATASET, TEMPLATES, wrong_for
 
 from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
@@ -200,6 +200,9 @@ async def test_an_agent_in_the_pod_reaches_the_relay_at_its_advertised_url(
         assert result.status is RolloutStatus.SUCCESS, result.failure
         assert result.reward == 1.0
         assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
+    # The token reached the agent with its command; no create carried an env (nothing of a
+    # rollout is in a pod's spec, so creates can share a batch).
+    assert all(call["spec"]["env"] == {} for call in await create_calls())
 
 
 def test_backends_run_tells_agents_in_pods_the_relay_url(

@@ -210,6 +210,7 @@ class ScriptRuntime:
     env: dict[str, str] = field(default_factory=dict)
     check: str = "hello"
     version_of: str = "hello"
+    interpreter: str = "bin/hello"
     builds: list[float] = field(default_factory=list, compare=False)
     tag: str = "1"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from harbor_support import Sleeps
 from host_support import marked
-from sky_support import fake_sky_server
+from sky_support import create_calls, fake_sky_server, inject_create_faults
 
 from backends import HarborBackend
 from backends.sandbox.runtime import list_sandboxes
@@ -28,12 +28,14 @@ BATCH = ["artifacts", "named-rewards", "failing-tests"]
 
 ORCHESTRATOR = """
 import anyio
+from harbor.models.trial.config import EnvironmentConfig
 from backends import HarborBackend, collect
 from backends.harbor import dataset_requests
 
 async def main():
     backend = HarborBackend(tasks_dir={tasks!r}, task_mode="dataset", agent="harbor_support:Sleeps",
-                            environment={environment!r}, trials_dir={trials!r}, max_concurrent=3)
+                            environment={environment!r}, trials_dir={trials!r}, max_concurrent=3,
+                            environment_config=EnvironmentConfig(kwargs={kwargs!r}))
     requests = [r for r in dataset_requests({tasks!r}) if r.metadata["harbor_task_id"] in {batch!r}]
     await collect(backend, requests)
 
@@ -63,9 +65,15 @@ def _cli(*args: str, env: dict[str, str]) -> str:
     return res.stdout
 
 
-def _kill_mid_batch(environment: str, tmp_path: Path, env: dict[str, str]) -> int:
+def _kill_mid_batch(
+    environment: str, tmp_path: Path, env: dict[str, str], kwargs: dict[str, object] | None = None
+) -> int:
     script = ORCHESTRATOR.format(
-        tasks=str(TASKS), environment=environment, trials=str(tmp_path / "trials"), batch=BATCH
+        tasks=str(TASKS),
+        environment=environment,
+        trials=str(tmp_path / "trials"),
+        batch=BATCH,
+        kwargs=kwargs or {},
     )
     path = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     owner = subprocess.Popen(
@@ -111,15 +119,25 @@ async def test_local_sandboxes_of_a_killed_run_are_reaped_at_the_next_start(
     assert _sleepers() == 0
 
 
+# Every create of the batch in one call: the killed run's pods are that call's members.
+ONE_CREATE = {"batch_window_sec": 5.0, "batch_max_size": len(BATCH)}
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_max_size": 1}, ONE_CREATE], ids=["alone", "batched"])
 async def test_skypilot_sandboxes_of_a_killed_run_are_terminated_at_the_next_start(
-    tmp_path: Path, fake_sky: dict[str, str]
+    tmp_path: Path, fake_sky: dict[str, str], kwargs: dict[str, object]
 ) -> None:
     import sky_sandbox
 
-    _kill_mid_batch("skypilot", tmp_path, fake_sky)
+    await inject_create_faults()  # counts from here
+    _kill_mid_batch("skypilot", tmp_path, fake_sky, kwargs)
+    calls = await create_calls()
+    sizes = [len(c["names"]) for c in calls]
+    assert sizes == ([len(BATCH)] if kwargs is ONE_CREATE else [1] * len(BATCH)), calls
     # The pods outlived their orchestrator, as on a cluster: still running, listed as dead.
     left = [s.name for s in await sky_sandbox.ls.aio()]
-    assert len(left) == len(BATCH) and _sleepers() >= 2 * len(BATCH)
+    assert sorted(left) == sorted(n for c in calls for n in c["names"])
+    assert _sleepers() >= 2 * len(BATCH)
     listed = _cli("ls", "-p", "skypilot", env=fake_sky)
     assert listed.count(" dead ") == len(BATCH), listed
     await HarborBackend(

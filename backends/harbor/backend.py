@@ -304,6 +304,10 @@ class HarborBackend:
         runtime, self.settings.runtime = self.settings.runtime, None
         if runtime is not None:  # likewise its agent's runtime
             runtime.release()
+        if self.settings.remote_sandbox:  # creates still in flight end, unwanted pods go
+            from backends.sandbox import skybatch
+
+            await skybatch.aclose()
 
     async def execute(self, request: RolloutRequest) -> RolloutResult:
         await self.start()

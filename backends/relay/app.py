@@ -84,8 +84,13 @@ class RelayApp:
         self.pool.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # Not served: refused at the handshake (a 403), so a client that tries one first
+            # (Codex's Responses over websocket) falls back to HTTP at once.
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
-            return  # lifespan is off; websockets are not served
+            return  # lifespan is off
         path: str = scope["path"]
         if path.startswith(_PREFIX):
             await self._rollout_call(scope, receive, send, path)

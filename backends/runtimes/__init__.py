@@ -4,12 +4,14 @@
 the recipe's runtime once into the shared cache (locked, content-addressed, prunable) and
 returns it held; ``Runtime.sandbox_kwargs`` binds it into a local sandbox read-only; the
 recipe's ``agent_class`` (``agents.py``) is Harbor's agent with its install step replaced by
-that runtime. HarborBackend does all of this for ``agent="mini-swe-agent"``.
+that runtime. HarborBackend does all of this for ``agent="mini-swe-agent"`` (a
+``PythonRuntime``), ``"codex"`` and ``"claude-code"`` (``NodeRuntime``s).
 """
 
 from backends.runtimes.build import Runtime, RuntimeManifest, ensure_runtime, runtimes_dir
 from backends.runtimes.recipes import (
     RUNTIMES,
+    NodeRuntime,
     PythonRuntime,
     Recipe,
     RuntimeBuildError,
@@ -18,6 +20,7 @@ from backends.runtimes.recipes import (
 
 __all__ = [
     "RUNTIMES",
+    "NodeRuntime",
     "PythonRuntime",
     "Recipe",
     "Runtime",

@@ -11,12 +11,16 @@ ATIF conversion) is Harbor's.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from harbor.agents.installed.base import BaseInstalledAgent
+from harbor.agents.installed.claude_code import ClaudeCode as HarborClaudeCode
+from harbor.agents.installed.codex import Codex as HarborCodex
 from harbor.agents.installed.mini_swe_agent import MiniSweAgent as HarborMiniSweAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
@@ -53,14 +57,22 @@ class PreparedRuntimeAgent(BaseInstalledAgent):
     def get_version_command(self) -> str | None:
         return None  # known from the manifest; no command to run
 
+    def _env_sources(self) -> tuple[Mapping[str, str], ...]:
+        # Only what HarborBackend hands the agent (its env and its options'), never the
+        # host's environment, where Harbor's classes also look for credentials to carry into
+        # the sandbox (Claude Code's OAuth token, Codex's login file).
+        return tuple(s for s in super()._env_sources() if s is not os.environ)
+
     async def install(self, environment: BaseEnvironment) -> None:
         tools = " ".join(
             shlex.quote(str(self.runtime_dir / "bin" / c)) for c in self.runtime.commands
         )
-        # Each tool is there, and the Python its venv runs on starts.
+        # Each tool is there, and what they run on (the venv's Python, the runtime's Node)
+        # starts.
+        interpreter = shlex.quote(str(self.runtime_dir / self.runtime.interpreter))
         probe = (
             f'for t in {tools}; do test -x "$t" || exit 1; done; '
-            'exec "$(dirname "$(readlink -f "$t")")/python" -c ""'
+            f"exec {interpreter} --version >/dev/null"
         )
         if (await environment.exec(probe, user="root")).return_code != 0:
             raise RuntimeMissingError(
@@ -141,3 +153,21 @@ def link_tool_results(trajectory: Trajectory, answers: list[tuple[Any, str]]) ->
                 changed = True
                 want = next(pending, None)
     return changed
+
+
+class Codex(PreparedRuntimeAgent, HarborCodex):
+    """Harbor's codex, from the ``codex`` runtime."""
+
+
+class ClaudeCode(PreparedRuntimeAgent, HarborClaudeCode):
+    """Harbor's claude-code, from the ``claude-code`` runtime.
+
+    It speaks the Messages API, which the relay serves on the rollout's route, so its model is
+    reached as an Anthropic one whatever provider the name gives (HarborBackend's default
+    ``openai/`` would have Harbor point it at the route's OpenAI URL instead).
+    """
+
+    def __init__(self, *args: Any, model_name: str | None = None, **kwargs: Any) -> None:
+        if model_name and "/" in model_name:
+            model_name = "anthropic/" + model_name.partition("/")[2]
+        super().__init__(*args, model_name=model_name, **kwargs)

@@ -2,9 +2,11 @@
 
 A runtime lives in ``$BACKENDS_CACHE/runtimes/<name>-<key>/``:
 
-    venv/           the tool and its packages (relocatable: built in a stage, then moved)
-    bin/            links to the recipe's commands only, for the agent's PATH (the venv's own
-                    python, pip, ... stay off it, so the agent's shell keeps the image's)
+    venv/           a Python tool and its packages (relocatable: built in a stage, then moved)
+    node_modules/   or a Node tool's npm packages, with the Node binary it runs on
+    bin/            the recipe's commands only, for the agent's PATH (links, or launchers on
+                    the runtime's Node): the venv's own python, pip, ... and the Node stay off
+                    it, so the agent's shell keeps the image's
     .complete       the ``RuntimeManifest``, written last: a runtime with one is finished
 
 The key hashes the recipe and the host's Python and platform, so the same recipe finds the
@@ -53,6 +55,7 @@ class RuntimeManifest(BaseModel):
     env: dict[str, str]
     size_bytes: int
     build_sec: float
+    interpreter: str = "venv/bin/python"  # what the commands run on, relative to the runtime
 
     @classmethod
     def load(cls, runtime_dir: Path | str) -> RuntimeManifest:
@@ -84,11 +87,13 @@ class Runtime:
         return [{"source": str(self.path), "target": str(self.path), "read_only": True}]
 
     def sandbox_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """LocalSandbox kwargs with the runtime and the host's Python (its venv's) bound in."""
+        """LocalSandbox kwargs with the runtime bound in, and the host's Python for a Python
+        runtime (its venv's); a Node runtime carries its own Node."""
         binds = kwargs.get("extra_binds") or []
         if isinstance(binds, str):
             binds = [b for b in binds.split(",") if b]
-        return {**kwargs, "extra_binds": [*binds, *self.binds()], "host_python": True}
+        kwargs = {**kwargs, "extra_binds": [*binds, *self.binds()]}
+        return {**kwargs, "host_python": True} if self.manifest.kind == "python" else kwargs
 
 
 def runtimes_dir() -> Path:
@@ -126,6 +131,7 @@ async def _build(recipe: Recipe, path: Path) -> None:
             version=packages.get(recipe.version_of),
             commands=list(recipe.commands),
             env=dict(recipe.env),
+            interpreter=recipe.interpreter,
             size_bytes=0,
             build_sec=round(time.monotonic() - started, 3),
         )

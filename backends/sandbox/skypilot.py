@@ -9,8 +9,10 @@ where it needs more:
   needed;
 - names carry this run's prefix (``backends.sandbox.skyruns``) so a reaper finds a crashed
   run's sandboxes, and every sandbox a lifetime (``ttl_sec``);
-- creation is bounded (``max_concurrent_creates``), jittered, and retried with backoff on
-  transient failures, each attempt under a fresh name; a command is never retried;
+- identical creates arriving together are made in one ``num_sandboxes`` call
+  (``backends.sandbox.skybatch``); creation is bounded (``max_concurrent_creates`` calls),
+  jittered, and retried with backoff on transient failures, each attempt under a fresh name;
+  a command is never retried;
 - exec has a client-side deadline past the server's cap, and a command that times out or whose
   caller is cancelled has its processes killed, daemons included; both exec result shapes the
   SDK has had (a process handle, an older dict) are read;
@@ -31,7 +33,6 @@ import io
 import logging
 import math
 import os
-import random
 import shlex
 import shutil
 import tempfile
@@ -45,13 +46,12 @@ from types import SimpleNamespace
 from typing import Any, BinaryIO, TypeVar, cast
 
 import anyio
-import tenacity
 from harbor.environments import skypilot as harbor_skypilot
 from harbor.environments.base import ExecResult
 from harbor.environments.definition import effective_exec_cwd
 from harbor.models.task.config import NetworkMode
 
-from backends.sandbox import skylive, skyruns, skysdk, transfer, unpack
+from backends.sandbox import skybatch, skylive, skyruns, skysdk, transfer, unpack
 from backends.sandbox.errors import (
     ExecTimeoutError,
     HostPrerequisiteError,
@@ -88,7 +88,10 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     - ``ttl_sec``: the sandbox's lifetime, after which the server reaps it (default 6 h);
     - ``max_concurrent_creates``: creations in flight at once in this process (default 64);
     - ``create_attempts``: tries for a create that fails for a transient reason (default 4);
-    - ``admission_jitter_sec``: each create waits a random time up to this first (0.05 s);
+    - ``admission_jitter_sec``: each create call waits a random time up to this first (0.05 s);
+    - ``batch_window_sec``, ``batch_max_size``: identical creates arriving within the window
+      (0.02 s; longer while they wait for admission) are made by one
+      ``create(num_sandboxes=N)`` call of at most this many (32; 1 turns batching off);
     - ``max_download_bytes``: the most one download may bring back (default 4 GiB);
     - ``sdk_threads``: the event loop's default executor is widened to this many threads (256):
       the SDK's ``.aio`` calls run its sync client there, one thread per call in flight, and
@@ -115,6 +118,8 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         max_concurrent_creates: int | str = 64,
         create_attempts: int | str = 4,
         admission_jitter_sec: float | str = 0.05,
+        batch_window_sec: float | str = skybatch.DEFAULT_WINDOW_SEC,
+        batch_max_size: int | str = skybatch.DEFAULT_MAX_SIZE,
         max_download_bytes: int | str = DEFAULT_MAX_DOWNLOAD,
         relay_url: str | None = None,
         network: str | None = None,
@@ -133,17 +138,28 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
             raise ValueError(f"network must be 'public' or 'none', not {network!r}")
         self._network_override = network
         self.sdk = skysdk.load()  # raises naming what to install
-        harbor_skypilot.sky_sandbox = _WithLifetime(self.sdk)  # it imports only `sky.sandbox`
+        harbor_skypilot.sky_sandbox = _Intercepted(self.sdk)  # it imports only `sky.sandbox`
         harbor_skypilot._HAS_SKYPILOT = True
         self._ttl = int(ttl_sec)
-        self._max_creates = int(max_concurrent_creates)
-        self._create_attempts = int(create_attempts)
-        self._jitter = float(admission_jitter_sec)
+        self._batching = skybatch.Policy(
+            window=float(batch_window_sec),
+            max_size=int(batch_max_size),
+            max_concurrent=int(max_concurrent_creates),
+            attempts=int(create_attempts),
+            jitter=float(admission_jitter_sec),
+        )
         self._max_download = int(max_download_bytes)
         self._relay_url = relay_url
-        for name, value in (("ttl_sec", self._ttl), ("max_concurrent_creates", self._max_creates)):
+        for name, value in (
+            ("ttl_sec", self._ttl),
+            ("max_concurrent_creates", self._batching.max_concurrent),
+            ("create_attempts", self._batching.attempts),
+            ("batch_max_size", self._batching.max_size),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, not {value}")
+        if self._batching.window < 0 or self._batching.jitter < 0:
+            raise ValueError("batch_window_sec and admission_jitter_sec must be >= 0")
         super().__init__(*args, **kwargs)
         if NetworkMode.ALLOWLIST in (
             self.network_policy.network_mode,
@@ -182,51 +198,26 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
     async def _create_sandbox(self, image: str | None) -> Any:
         self.run.register()
         _widen_default_executor(self._sdk_threads)
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(self._create_attempts),
-            wait=tenacity.wait_random_exponential(multiplier=0.5, max=10),
-            retry=tenacity.retry_if_exception(skysdk.is_transient),
-            reraise=True,
-        )
-        attempt = 0
-        async for try_ in retrying:
-            with try_:
-                attempt += 1
-                skyruns.counters["creates"] += 1
-                skyruns.counters["create_retries"] += attempt > 1
-                name = skyruns.sandbox_name(self.run, self.session_id, retry=attempt)
-                async with skyruns.admission(self._max_creates):
-                    if self._jitter:
-                        await anyio.sleep(random.uniform(0, self._jitter))
-                    self._sandbox_name = name
-                    self.run.live.add(name)  # a half-made one is reaped at exit too
-                    lifetime = _LIFETIME.set(self._ttl)
-                    try:
-                        sandbox = await super()._create_sandbox(image)
-                        self.run.held.add(name)
-                        skylive.pods.created(name, (self._context_name, self._namespace))
-                        return sandbox
-                    except BaseException:
-                        # The server may have made it and the answer been lost: terminate
-                        # it now, not at exit, before a retry makes another.
-                        with anyio.CancelScope(shield=True):
-                            await self._release(name)
-                        raise
-                    finally:
-                        _LIFETIME.reset(lifetime)
-        raise AssertionError("unreachable")
-
-    async def _release(self, name: str) -> None:
-        """Terminate ``name`` if the server has it. A name not listed yet stays in
-        ``run.live``: a create still in flight on the server may make it later, and the
-        exit hook looks again."""
+        creating = _CREATING.set(self._create)
         try:
-            done = await anyio.to_thread.run_sync(skyruns.terminate, self.sdk, [name])
-        except Exception as exc:  # kept in run.live: the exit hook or the reaper tries again
-            log.warning("%s: could not terminate after a failed create: %s", name, exc)
-            return
-        self.run.live -= set(done)
-        self.run.held -= set(done)
+            sandbox = await super()._create_sandbox(image)  # Harbor builds the arguments
+        finally:
+            _CREATING.reset(creating)
+        self._sandbox_name = sandbox.name
+        skylive.pods.created(sandbox.name, (self._context_name, self._namespace))
+        return sandbox
+
+    async def _create(self, **kwargs: Any) -> Any:
+        """Harbor's ``create.aio`` call, made through this loop's batcher."""
+        kwargs.pop("name", None)  # the batcher names it: for this session, or a batch member
+        kwargs["timeout"] = self._ttl  # instead of Harbor's fixed 24 h
+        # The create's env (the task's and the config's) goes with every command instead
+        # (``exec`` merges it in): creates of different rollouts stay identical, so they can
+        # share a batch, and nothing of a rollout is in the pod's spec.
+        kwargs["env"] = None
+        return await skybatch.batcher().create(
+            self.sdk, self.run, kwargs, self.session_id, self._batching
+        )
 
     async def start(self, force_build: bool) -> None:
         try:
@@ -590,12 +581,14 @@ class SkyPilotSandbox(CheckedDownloads, harbor_skypilot.SkypilotEnvironment):
         return [os.fsdecode(n).removeprefix("./") for n in listing.split(b"\0") if n]
 
 
-_LIFETIME: ContextVar[int | None] = ContextVar("skypilot_lifetime", default=None)
+_CREATING: ContextVar[Callable[..., Awaitable[Any]] | None] = ContextVar(
+    "skypilot_creating", default=None
+)
 
 
-class _WithLifetime:
-    """The SDK as Harbor's module calls it, but ``create`` gets the creating sandbox's
-    ``ttl_sec`` (set in ``_LIFETIME`` around the call) instead of Harbor's fixed 24 h."""
+class _Intercepted:
+    """The SDK as Harbor's module calls it, but ``create`` goes to the creating sandbox's
+    ``_create`` (set in ``_CREATING`` around Harbor's call)."""
 
     def __init__(self, sdk: Any) -> None:
         self._sdk = sdk
@@ -605,10 +598,10 @@ class _WithLifetime:
         return getattr(self._sdk, name)
 
     async def _create(self, *args: Any, **kwargs: Any) -> Any:
-        lifetime = _LIFETIME.get()
-        if lifetime is not None:
-            kwargs["timeout"] = lifetime
-        return await self._sdk.create.aio(*args, **kwargs)
+        creating = _CREATING.get()
+        if creating is None:  # Harbor's own environment, not ours
+            return await self._sdk.create.aio(*args, **kwargs)
+        return await creating(*args, **kwargs)
 
 
 def _widen_default_executor(threads: int) -> None:

@@ -94,7 +94,8 @@ class Run:
 _current: Run | None = None
 
 # This process's sandbox creations: attempts, and retries of transient failures among them.
-counters = {"creates": 0, "create_retries": 0}
+# Creates are calls to the server: one may make a batch of sandboxes.
+counters = {"creates": 0, "create_retries": 0, "sandboxes_created": 0}
 
 
 _current_lock = threading.Lock()  # sandboxes are constructed in trial-building threads too
@@ -123,6 +124,16 @@ def sandbox_name(run: Run, session_id: str, retry: int = 1) -> str:
         digest = hashlib.sha256(exact.encode()).hexdigest()[:10]
         slug = f"{slug[: room - len(digest) - 1].rstrip('-')}-{digest}"
     return prefix + slug
+
+
+def batch_name(run: Run) -> str:
+    """A fresh name for a batch create; the SDK names its members ``<name>-0001``, ..."""
+    return f"bk-{run.id}-b{uuid.uuid4().hex[:8]}"
+
+
+def member_name(batch: str, index: int) -> str:
+    """The documented name of a batch create's ``index``-th sandbox (from 1)."""
+    return f"{batch}-{index:04d}"
 
 
 def run_of(name: str) -> str | None:

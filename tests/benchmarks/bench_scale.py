@@ -16,7 +16,9 @@ over HTTP, then collects every result, and prints per level:
   create retries the backend counted; threads and file descriptors at the peak.
 
 With ``--baseline`` another checkout's orchestrator runs the same levels in the same run,
-interleaved, for a side-by-side ratio.
+interleaved, for a side-by-side ratio. With ``--batching`` this checkout runs each level twice,
+interleaved: with batch creation (``create(num_sandboxes=N)``, the default) and without
+(``batch_max_size=1``), and the create calls each made are printed beside the rest.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def _sim_counters() -> dict[str, int]:
     return dict(vars(sim.engine().counters))
 
 
-def serve(port: int, workdir: str, max_concurrent: int) -> None:
+def serve(port: int, workdir: str, max_concurrent: int, batch_max_size: int) -> None:
     os.environ["SKYPILOT_API_SERVER_ENDPOINT"] = "sim://"
     os.environ["BACKENDS_HOME"] = workdir
     sys.path.insert(0, str(ROOT / "tests" / "skyfake"))
@@ -172,7 +174,12 @@ def serve(port: int, workdir: str, max_concurrent: int) -> None:
         tasks_dir=write_template(Path(workdir)),
         agent="nop",
         environment="skypilot",
-        environment_config=EnvironmentConfig(kwargs={"max_concurrent_creates": 2048}),
+        environment_config=EnvironmentConfig(
+            kwargs={
+                "max_concurrent_creates": 2048,
+                **({"batch_max_size": batch_max_size} if batch_max_size else {}),
+            }
+        ),
         trials_dir=f"{workdir}/trials",
         artifacts=f"{workdir}/rollouts",
         max_concurrent=max_concurrent or None,
@@ -205,7 +212,9 @@ def serve(port: int, workdir: str, max_concurrent: int) -> None:
     run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def start(workdir: str, tree: Path, max_concurrent: int) -> tuple[subprocess.Popen[bytes], str]:
+def start(
+    workdir: str, tree: Path, max_concurrent: int, batch_max_size: int = 0
+) -> tuple[subprocess.Popen[bytes], str]:
     import socket
 
     port = free_port()
@@ -222,6 +231,7 @@ def start(workdir: str, tree: Path, max_concurrent: int) -> tuple[subprocess.Pop
             workdir,
             "--max-concurrent",
             str(max_concurrent),
+            *(["--batch-max-size", str(batch_max_size)] if batch_max_size else []),
         ],
         env=env,
         cwd=tree,
@@ -345,7 +355,8 @@ def report(kind: str, r: dict[str, Any]) -> None:
         f"({r['cpu_ms']:.0f} ms CPU each) | "
         f"lost {r['lost']} | {r['finished']} finished in {r['window']:.0f} s, ok {r['success']}, "
         f"not ok {r['failures']} | "
-        f"create retries {r['retries']} (sim failures {r['sim']['create_failures']}) | "
+        f"create calls {r['sim']['creates']} for {r['sim'].get('sandboxes', '?')} sandboxes, "
+        f"retries {r['retries']} (sim failures {r['sim']['create_failures']}) | "
         f"threads {r['peak_threads']} fds {r['peak_fds']} | "
         f"gc {r.get('gc_sec', 0):.1f} s, {r.get('gc_full', 0)} full (max "
         f"{r.get('gc_full_max_ms', 0):.0f} ms) objects {r.get('objects')}",
@@ -364,32 +375,46 @@ def main() -> None:
         help="HarborBackend's running-trial bound (0: none)",
     )
     parser.add_argument("--baseline", type=Path, help="another checkout, run in the same rounds")
+    parser.add_argument(
+        "--batching",
+        action="store_true",
+        help="compare batch creation on and off (this checkout), in the same rounds",
+    )
+    parser.add_argument("--batch-max-size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.port, args.workdir, args.max_concurrent)
+        serve(args.port, args.workdir, args.max_concurrent, args.batch_max_size)
         return
     import uvloop
 
-    trees = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    # kind -> (checkout, batch_max_size; 0: the default)
+    runs: dict[str, tuple[Path, int]] = {"this": (ROOT, 0)}
+    if args.baseline:
+        runs["baseline"] = (args.baseline.resolve(), 0)
+    if args.batching:
+        runs = {"batched": (ROOT, 0), "unbatched": (ROOT, 1)}
     print(f"scale benchmark: {os.cpu_count()} cores; fake SkyPilot latency model (sim://)")
-    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in runs}
     for n in [int(x) for x in args.levels.split(",")]:
-        for kind, tree in trees.items():
+        for kind, (tree, batch_max_size) in runs.items():
             with tempfile.TemporaryDirectory(prefix="bench-scale-") as workdir:
-                proc, url = start(workdir, tree, args.max_concurrent)
+                proc, url = start(workdir, tree, args.max_concurrent, batch_max_size)
                 try:
                     r = uvloop.run(level(url, n, args.window))
                 finally:
                     stop(proc)
             rows[kind].append(r)
             report(kind, r)
-    if args.baseline:
-        for this, base in zip(rows["this"], rows["baseline"], strict=True):
+    if len(runs) == 2:
+        first, second = rows.values()
+        for this, base in zip(first, second, strict=True):
             print(
-                f"ratio at {this['n']}: rollouts/s {this['rate'] / base['rate']:.2f}x, "
+                f"ratio {'/'.join(runs)} at {this['n']}: "
+                f"rollouts/s {this['rate'] / base['rate']:.2f}x, "
+                f"create calls {this['sim']['creates'] / max(base['sim']['creates'], 1):.2f}x, "
                 f"CPU per rollout {this['cpu_ms'] / max(base['cpu_ms'], 1e-9):.2f}x, "
                 f"KB/rollout {this['kb_per_rollout'] / max(base['kb_per_rollout'], 1e-9):.2f}x, "
                 f"lag p99 {this['lag_p99_ms'] / max(base['lag_p99_ms'], 1e-9):.2f}x"

@@ -296,13 +296,15 @@ async def create(
 ) -> Any:
     """Create a sandbox (or ``num_sandboxes`` of them, named ``<name>-0001``, ...)."""
     base = name or "sandbox"
+    if num_sandboxes is not None and (
+        not isinstance(num_sandboxes, int) or isinstance(num_sandboxes, bool) or num_sandboxes < 1
+    ):
+        raise ValueError(f"num_sandboxes must be an int >= 1, not {num_sandboxes!r}")
     names = (
         [base]
         if num_sandboxes is None
         else [f"{base}-{i:04d}" for i in range(1, num_sandboxes + 1)]
     )
-    if num_sandboxes is not None and num_sandboxes < 1:
-        raise ValueError("num_sandboxes must be >= 1")
     for n in names:
         _check_name(n)
     if pool is not None and (

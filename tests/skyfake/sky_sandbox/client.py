@@ -81,3 +81,11 @@ class ServerEngine:
 
     async def delete_pool(self, name: str) -> None:
         await self._call("/pool/delete", {"name": name})
+
+    # Fake-only, for tests: what the server was asked, and faults to inject.
+
+    async def fake_stats(self) -> dict[str, Any]:
+        return dict(await self._call("/fake/stats"))
+
+    async def fake_faults(self, create: list[dict[str, Any]], reset_log: bool = False) -> None:
+        await self._call("/fake/faults", {"create": create, "reset_log": reset_log})

@@ -54,6 +54,11 @@ class FakeServer:
         self.pools: dict[str, dict[str, Any]] = {}
         self.execs: dict[str, tuple[Pod, asyncio.Task[tuple[int, bytes, bytes]]]] = {}
         self._ids = itertools.count()
+        self.create_calls: list[dict[str, Any]] = []  # each create asked for: names and spec
+        # Fake-only: faults the next create calls meet, in order. Each makes "all", "half" or
+        # "none" of its sandboxes, then answers `status` (503: transient, else an error), as
+        # a server that failed half-way or whose answer was lost.
+        self.create_faults: list[dict[str, Any]] = []
 
     # -- sandboxes -------------------------------------------------------------------------
 
@@ -85,6 +90,14 @@ class FakeServer:
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         names, spec = body["names"], dict(body["spec"])
+        if not body.get("injected"):
+            self.create_calls.append({"names": list(names), "spec": dict(spec)})
+            if self.create_faults:
+                fault = self.create_faults.pop(0)
+                made = {"all": len(names), "half": len(names) // 2, "none": 0}[fault["make"]]
+                if made:
+                    await self.create({"names": names[:made], "spec": spec, "injected": True})
+                raise _error(fault["status"], f"injected: a create of {len(names)} failed")
         taken = [n for n in names if n in self.pods or n in self.starting]
         if taken:
             raise _error(409, f"sandbox {taken[0]!r} already exists")
@@ -209,6 +222,15 @@ class FakeServer:
         self.pools.pop(body["name"], None)
         return {}
 
+    async def fake_stats(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"create_calls": self.create_calls}
+
+    async def fake_faults(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.create_faults = list(body["create"])
+        if body.get("reset_log"):
+            self.create_calls = []
+        return {}
+
     async def close(self) -> None:
         pods, self.pods = list(self.pods.values()), {}
         await asyncio.gather(*(self._stop(p) for p in pods), return_exceptions=True)
@@ -242,6 +264,8 @@ def app(server: FakeServer) -> web.Application:
         "/pool/create": server.pool_create,
         "/pool/size": server.pool_size,
         "/pool/delete": server.pool_delete,
+        "/fake/stats": server.fake_stats,  # fake-only: what tests check at the server
+        "/fake/faults": server.fake_faults,
     }
     application = web.Application(client_max_size=1024**3)
 

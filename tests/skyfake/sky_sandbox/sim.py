@@ -40,7 +40,8 @@ class LatencyModel:
 
 @dataclass
 class Counters:
-    creates: int = 0
+    creates: int = 0  # create calls (one may make a batch)
+    sandboxes: int = 0  # sandboxes they made
     create_failures: int = 0
     execs: int = 0
     reads: int = 0
@@ -70,6 +71,7 @@ class SimEngine:
             if name in self.boxes:
                 raise SandboxSDKError(f"sandbox {name!r} already exists")
             self.boxes[name] = dict(self.model.seed_files)
+        self.counters.sandboxes += len(names)
         self.counters.live = len(self.boxes)
         self.counters.peak_live = max(self.counters.peak_live, self.counters.live)
         return names

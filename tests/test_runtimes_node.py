@@ -1,0 +1,259 @@
+"""Node agent runtimes: Harbor's own ``codex`` and ``claude-code`` classes, their install
+replaced by a runtime prepared once on the host (the pinned npm package beside a pinned Node),
+solving tasks offline through the relay against the scripted policy; and the clear errors of a
+Node runtime that cannot be built.
+
+Codex speaks the Responses API, Claude Code Anthropic Messages: the relay translates both to
+the policy's chat completions and traces each call with its token ids. The first test to need
+a runtime builds it from the npm registry (seconds, once per host); later runs find it cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harbor.models.trajectories import Trajectory
+from harbor.models.trial.config import EnvironmentConfig
+from harbor.utils.trajectory_validator import validate_trajectory
+
+from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
+from backends.relay import Relay, Script, ScriptedPolicy
+from backends.relayed import RelayedBackend
+from backends.runtimes import RUNTIMES, RuntimeBuildError, ensure_runtime, runtimes_dir
+from backends.runtimes.recipes import NodeRuntime
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).parents[1]
+TASKS = ROOT / "tasks" / "harbor"
+TEMPLATES = ROOT / "tasks" / "harbor-templates"
+UPSTREAM_KEY = "sk-upstream-" + uuid.uuid4().hex
+HOST_SECRET = "host-credential-" + uuid.uuid4().hex
+# Where Harbor's classes look for credentials on the host: none may reach the sandbox.
+HOST_CREDENTIALS = (
+    "OPENAI_API_KEY",
+    "CODEX_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_AUTH_TOKEN",
+    "CLAUDE_CODE_OAUTH_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+)
+OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
+
+# Saves the environment of every process in the sandbox (the agent's own among them), which
+# `node` the agent's shell finds, and tries to plant a file in every folder on its PATH.
+SPY = (
+    "for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null; done "
+    "> /logs/artifacts/env.txt; "
+    "command -v node > /logs/artifacts/node.txt; "
+    'for d in $(echo "$PATH" | tr : " "); do touch "$d/planted" 2>/dev/null && echo "$d"; '
+    "done > /logs/artifacts/writable.txt; "
+)
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    api: str  # the wire format it speaks to the relay
+    argument: str  # its shell tool's argument holding the command
+
+    @property
+    def script_path(self) -> Path:
+        return TEMPLATES / f"{self.name}.json"
+
+    def spying_script(self) -> Script:
+        data = json.loads(self.script_path.read_text())
+        for rule in data["rules"]:
+            arguments = rule["turns"][0]["tool_calls"][0]["arguments"]
+            arguments[self.argument] = SPY + arguments[self.argument]
+        return Script.model_validate(data)
+
+
+CODEX = Agent("codex", "responses", "cmd")
+CLAUDE_CODE = Agent("claude-code", "messages", "command")
+AGENTS = [CODEX, CLAUDE_CODE]
+
+
+@pytest.fixture
+async def relay(agent: Agent, tmp_path: Path) -> AsyncIterator[Relay]:
+    async with (
+        ScriptedPolicy(agent.spying_script()) as policy,
+        Relay(
+            upstream_url=policy.base_url,
+            upstream_api_key=UPSTREAM_KEY,
+            unix_socket_path=tmp_path / "relay.sock",
+            request_token_ids=True,
+        ) as relay,
+    ):
+        yield relay
+
+
+def backend_for(agent: Agent, tmp_path: Path, **kwargs: Any) -> HarborBackend:
+    return HarborBackend(
+        agent=agent.name,
+        trials_dir=tmp_path / "trials",
+        artifacts=tmp_path / "out",
+        environment_config=OFFLINE,
+        cleanup_successful_trials=False,
+        **kwargs,
+    )
+
+
+def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
+    """Reward 1 from the task's verifier; both policy calls through the relay in the agent's
+    format, traced with token ids and logprobs; the sample is what the policy said; Harbor's
+    class parsed the agent's own files into a valid trajectory; and the sandbox held the
+    rollout's token only, never the upstream key or a host credential."""
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0, result.sample
+    calls = result.policy_trace.calls
+    assert [(c.api, c.upstream_api, c.status) for c in calls] == [
+        (agent.api, "chat.completions", 200)
+    ] * 2
+    ask, answer = calls
+    for call in calls:
+        assert call.completion_token_ids and call.logprobs is not None
+        assert len(call.logprobs) == len(call.completion_token_ids)
+    (tool_call,) = ask.choices[0].message["tool_calls"]
+    assert answer.request["messages"][-1]["tool_call_id"] == tool_call["id"]
+    messages = result.sample.messages
+    assert [m["role"] for m in messages][-3:] == ["assistant", "tool", "assistant"]
+    assert messages[-3]["tool_calls"][0]["function"] == tool_call["function"]
+    assert messages[-2]["tool_call_id"] == tool_call["id"]
+    # Harbor's own conversion of the agent's native session files (populate_context_post_run).
+    [native] = (tmp_path / "trials").glob("*/agent/trajectory.json")
+    trajectory = Trajectory.model_validate_json(native.read_text())
+    assert validate_trajectory(trajectory.to_json_dict())
+    assert trajectory.agent.version == RUNTIMES[agent.name].packages[0].rpartition("@")[2]
+    assert [c.function_name for s in trajectory.steps for c in s.tool_calls or []] == [
+        tool_call["function"]["name"]
+    ]
+    seen = tmp_path / "out" / result.rollout_id / "artifacts" / "logs" / "artifacts"
+    env = (seen / "env.txt").read_text()
+    route = f"http://127.0.0.1:18080/rollouts/{result.rollout_id}"
+    assert (
+        f"OPENAI_BASE_URL={route}/v1" if agent is CODEX else f"ANTHROPIC_BASE_URL={route}"
+    ) in env
+    assert UPSTREAM_KEY not in env and HOST_SECRET not in env
+    # The runtime's Node stays off the agent's PATH, and the runtime is read-only to it.
+    assert not (seen / "node.txt").read_text().startswith(str(runtimes_dir()))
+    writable = (seen / "writable.txt").read_text().split()
+    assert "/usr/local/bin" in writable  # the control: the spy plants where it may
+    assert not [d for d in writable if d.startswith(str(runtimes_dir()))], writable
+    assert not list(runtimes_dir().glob("*/bin/planted"))
+    written = "".join(
+        p.read_text(errors="replace") for p in (tmp_path / "trials").rglob("*") if p.is_file()
+    )
+    assert UPSTREAM_KEY not in written and HOST_SECRET not in written
+
+
+@pytest.fixture
+def host_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in HOST_CREDENTIALS:
+        monkeypatch.setenv(name, HOST_SECRET)
+
+
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("host_credentials")
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+async def test_harbors_node_agent_solves_a_dataset_task_offline(
+    agent: Agent, tmp_path: Path, relay: Relay
+) -> None:
+    backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+    rollout = RolloutRequest(
+        rollout_id=f"{agent.name}-sum", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    )
+    [result] = await collect(RelayedBackend(backend, relay), [rollout])
+    await backend.aclose()
+    check_solved(agent, result, tmp_path)
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("agent", [CODEX], ids=lambda a: a.name)
+async def test_codex_in_template_mode_with_a_host_grader(
+    agent: Agent, tmp_path: Path, relay: Relay
+) -> None:
+    from backends.rollout.loading import load_object
+
+    grader = load_object(f"{ROOT}/tasks/rollouts/harbor/main.py:ExactAnswer")
+    backend = backend_for(CODEX, tmp_path, tasks_dir=TEMPLATES / "arithmetic-graded", grader=grader)
+    rollout = RolloutRequest(
+        rollout_id="codex-mul", prompt=[{"role": "user", "content": "What is 6 * 7?"}], label="42"
+    )
+    [result] = await collect(RelayedBackend(backend, relay), [rollout])
+    await backend.aclose()
+    check_solved(CODEX, result, tmp_path)
+    answer = tmp_path / "out" / result.rollout_id / "artifacts" / "app" / "answer.txt"
+    assert answer.read_text() == "42\n"
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+def test_backends_run_drives_a_node_agent_with_a_policy_script(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """The command line, as a user runs it: one Harbor task, Harbor's codex (or claude-code)
+    class, the embedded scripted policy playing the repository's script, through the relay."""
+    done = subprocess.run(
+        [sys.executable, "-m", "backends.cli", "run", "-p", str(TASKS / "workdir-copy"),
+         "-a", agent.name, "--policy-script", str(agent.script_path),
+         "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT, env={**os.environ, "BACKENDS_HOME": str(tmp_path / "home")},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == 2, summary
+    assert "handshake" not in done.stderr  # Codex's websocket try is refused cleanly
+
+
+# -- a Node runtime that cannot be built -------------------------------------------------------
+
+
+def node_recipe(*packages: str) -> NodeRuntime:
+    return NodeRuntime(
+        name="node-broken",
+        agent_class="backends.runtimes.agents:Codex",
+        packages=packages,
+        commands=("codex",),
+        check="codex --version",
+        version_of="@openai/codex",
+    )
+
+
+async def test_a_node_runtime_without_npm_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm on it
+    with pytest.raises(RuntimeBuildError, match=r"built with npm, which is not installed"):
+        await ensure_runtime(node_recipe("@openai/codex@0.171.0"), root=tmp_path / "runtimes")
+
+
+async def test_a_node_runtime_without_the_registry_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Offline: the registry is a port nothing listens on, and npm's own cache is empty.
+    monkeypatch.setenv("npm_config_registry", "http://127.0.0.1:9/")
+    monkeypatch.setenv("npm_config_cache", str(tmp_path / "npm-cache"))
+    monkeypatch.setenv("npm_config_fetch_retries", "0")
+    with pytest.raises(
+        RuntimeBuildError,
+        match=r"(?s)downloading @openai/codex@0.171.0 and Node .* failed.*ECONNREFUSED",
+    ):
+        await ensure_runtime(node_recipe("@openai/codex@0.171.0"), root=tmp_path / "runtimes")
+    assert not [p for p in (tmp_path / "runtimes").iterdir() if not p.name.endswith(".lock")]
+
+
+async def test_a_node_package_without_the_command_is_refused(tmp_path: Path) -> None:
+    # A real package with no `codex` command: nothing of it is linked or run.
+    with pytest.raises(RuntimeBuildError, match=r"no 'codex' command after installing semver"):
+        await ensure_runtime(node_recipe("semver@7.6.3"), root=tmp_path / "runtimes")
