@@ -168,6 +168,30 @@ def test_the_runner_input_has_no_place_for_the_label() -> None:
         RunnerInput.model_validate({**fields, "label": "42"})
 
 
+PRELOAD_PROBE = """
+import sys, threading
+connected = []
+sys.addaudithook(lambda event, args: event == "socket.connect" and connected.append(args[1]))
+from backends.bundle.preload import preload
+preload(sys.argv[1], "main.py:ArithmeticWorkflow", None)
+print(sorted({address[0] for address in connected}), threading.active_count())
+"""
+
+
+def test_the_preload_warms_openai_on_its_own_loopback_and_leaves_no_thread() -> None:
+    """A workflow importing openai gets its request path warmed in the fork server: one call
+    to a stub on loopback (nothing else is reached), and no thread left (forks need none)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", PRELOAD_PROBE, str(ARITHMETIC)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split("\n")[0] == "['127.0.0.1'] 1"
+    assert "failed" not in probe.stderr
+
+
 def _plan_with_output(tmp_path: Path, output: str | None) -> tuple[WorkflowPlan, Path]:
     plan = WorkflowPlan(PROJECT, "main.py:ReturnsList", None)
     trial = tmp_path / "trial"
@@ -493,6 +517,10 @@ async def test_repeat_rollouts_fork_from_the_warm_runner_and_match_a_cold_one(
     # From the server the project's warm-up ran in (a cold runner never calls it).
     assert first.sample.metrics["warmed_up"] == repeat.sample.metrics["warmed_up"] == 1
     assert baseline.sample.metrics["warmed_up"] == 0
+    # The workflow reached the relay with its own client on the plain base URL, and nothing
+    # but the runner ran in the sandbox for it (no forwarder process).
+    for result in (first, repeat, baseline):
+        assert result.sample and result.sample.metrics["other_processes"] == 0
     assert len(servers) == 1  # one server (one uid range) served both
     # aclose() ended it.
     assert not await anyio.Path(f"/proc/{servers[0].proc.pid}").exists()

@@ -10,7 +10,7 @@ cost on a fresh machine, about a minute); later runs find it in the cache.
 from __future__ import annotations
 
 import json
-import sys
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +37,7 @@ from backends.runtimes import (
     runtimes_dir,
 )
 from backends.runtimes.agents import MiniSweAgent
+from backends.runtimes.interpreter import python_dir
 from backends.trajectory.save import trajectory_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1800)]
@@ -51,11 +52,12 @@ OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
 
 
 # Saves the environment the agent was given, and tries to plant a file in every folder on its
-# PATH (the runtime's among them) and beside the Python running it, listing where that worked.
+# PATH (the runtime's among them), beside the venv's Python and in the Python copy's bin/,
+# listing where that worked.
 SPY = (
     "env > /logs/artifacts/env.txt; "
     'for d in $(echo "$PATH" | tr : " ") "$(dirname "$(readlink -f "$(command -v '
-    f'mini-swe-agent)")")" {sys.base_prefix}/bin; do touch "$d/planted" 2>/dev/null '
+    f'mini-swe-agent)")")" {python_dir(runtimes_dir())}/bin; do touch "$d/planted" 2>/dev/null '
     '&& echo "$d"; done > /logs/artifacts/writable.txt; '
 )
 
@@ -348,14 +350,59 @@ def test_backends_run_drives_mini_swe_agent_with_a_policy_script(tmp_path: Path)
 
 
 @pytest.mark.sandbox
+async def test_mini_swe_agent_runs_as_a_non_root_agent_user(tmp_path: Path) -> None:
+    """A task whose agent runs as a non-root user (`[agent] user = "agent"`): the runtime and
+    the copy of Python it runs on are bound outside /root, under folders open to every user,
+    so the agent runs as that user and the task's verifier sees what it wrote."""
+    async with (
+        ScriptedPolicy(Script.load(SCRIPT)) as policy,
+        Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
+    ):
+        backend = mini(tmp_path, tasks_dir=TASKS, task_mode="dataset", infra_attempts=1)
+        request = RolloutRequest(
+            rollout_id="mini-nonroot", prompt=[], metadata={"harbor_task_id": "nonroot-agent"}
+        )
+        [result] = await collect(RelayedBackend(backend, relay), [request])
+        await backend.aclose()
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0  # ~/whoami.txt says "agent", and the agent user owns it
+    assert len(result.policy_trace.calls) == 2
+
+
+def test_a_python_runtime_binds_nothing_of_the_hosts_root(tmp_path: Path) -> None:
+    """What a trial's sandbox is given for mini-swe-agent: the runtime and the copy of Python,
+    read-only, in the cache; not the host's Python under /root (the copy runs on its own
+    libpython, as its check, run as an unprivileged user with no /root, showed)."""
+    runtime = anyio.run(ensure_runtime, RUNTIMES["mini-swe-agent"])
+    try:
+        kwargs = runtime.sandbox_kwargs({"network": "none"})
+    finally:
+        runtime.release()
+    assert "host_python" not in kwargs
+    binds = kwargs["extra_binds"]
+    assert {b["target"] for b in binds} == {str(runtime.path), runtime.manifest.python}
+    assert all(b["read_only"] and b["source"] == b["target"] for b in binds)
+    assert all(Path(b["target"]).is_relative_to(runtimes_dir()) for b in binds)
+    python = Path(runtime.manifest.python or "")
+    venv = (runtime.path / "venv" / "pyvenv.cfg").read_text()
+    assert f"home = {python / 'bin'}" in venv and "/root" not in venv
+    library = python / "lib" / "python3.12"
+    assert not any((library / "site-packages").iterdir()) and not (library / "test").exists()
+
+
+@pytest.mark.sandbox
 async def test_an_agent_user_that_cannot_run_the_runtime_is_told_why(
     tmp_path: Path, relay: Relay
 ) -> None:
-    """A task whose agent runs as a non-root user: the host's Python is bound under a folder
-    that user cannot enter, so the agent's setup fails saying so (never a reward)."""
-    backend = mini(tmp_path, tasks_dir=TASKS, task_mode="dataset", infra_attempts=1)
+    """A task image that closes a folder the runtime is bound under (/var/cache, 0700) to its
+    non-root agent user: the agent's setup fails saying so (never a reward, no policy call)."""
+    task = tmp_path / "tasks" / "closed-cache"
+    shutil.copytree(TASKS / "nonroot-agent", task)
+    with (task / "environment" / "Dockerfile").open("a") as dockerfile:
+        dockerfile.write("RUN chmod 700 /var/cache\n")
+    backend = mini(tmp_path, tasks_dir=task.parent, task_mode="dataset", infra_attempts=1)
     request = RolloutRequest(
-        rollout_id="mini-nonroot", prompt=[], metadata={"harbor_task_id": "nonroot-agent"}
+        rollout_id="mini-closed", prompt=[], metadata={"harbor_task_id": "closed-cache"}
     )
     [result] = await collect(RelayedBackend(backend, relay), [request])
     await backend.aclose()

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from harbor.models.trajectories import Trajectory
 from harbor.models.trial.config import EnvironmentConfig
@@ -30,6 +33,7 @@ from backends.relay import Relay, Script, ScriptedPolicy
 from backends.relayed import RelayedBackend
 from backends.runtimes import RUNTIMES, RuntimeBuildError, ensure_runtime, runtimes_dir
 from backends.runtimes.recipes import NodeRuntime
+from backends.sandbox.settings import cache_dir
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1800)]
 
@@ -65,6 +69,7 @@ class Agent:
     name: str
     api: str  # the wire format it speaks to the relay
     argument: str  # its shell tool's argument holding the command
+    calls: int = 2  # policy calls per task: the command, then the answer (and any extra)
 
     @property
     def script_path(self) -> Path:
@@ -80,7 +85,8 @@ class Agent:
 
 CODEX = Agent("codex", "responses", "cmd")
 CLAUDE_CODE = Agent("claude-code", "messages", "command")
-AGENTS = [CODEX, CLAUDE_CODE]
+OPENCODE = Agent("opencode", "responses", "command", calls=3)  # it also asks for a title
+AGENTS = [CODEX, CLAUDE_CODE, OPENCODE]
 
 
 @pytest.fixture
@@ -118,8 +124,8 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
     calls = result.policy_trace.calls
     assert [(c.api, c.upstream_api, c.status) for c in calls] == [
         (agent.api, "chat.completions", 200)
-    ] * 2
-    ask, answer = calls
+    ] * agent.calls
+    ask, answer = calls[-2:]
     for call in calls:
         assert call.completion_token_ids and call.logprobs is not None
         assert len(call.logprobs) == len(call.completion_token_ids)
@@ -178,6 +184,30 @@ async def test_harbors_node_agent_solves_a_dataset_task_offline(
 
 
 @pytest.mark.sandbox
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+async def test_harbors_node_agent_runs_as_a_non_root_agent_user(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """`[agent] user = "agent"`: the runtime is bound under folders open to every user, so
+    the agent runs as that user (the task's verifier checks who wrote ~/whoami.txt)."""
+    async with (
+        ScriptedPolicy(Script.load(agent.script_path)) as policy,
+        Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
+    ):
+        backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+        rollout = RolloutRequest(
+            rollout_id=f"{agent.name}-nonroot",
+            prompt=[],
+            metadata={"harbor_task_id": "nonroot-agent"},
+        )
+        [result] = await collect(RelayedBackend(backend, relay), [rollout])
+        await backend.aclose()
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0
+    assert [c.status for c in result.policy_trace.calls] == [200] * agent.calls
+
+
+@pytest.mark.sandbox
 @pytest.mark.parametrize("agent", [CODEX], ids=lambda a: a.name)
 async def test_codex_in_template_mode_with_a_host_grader(
     agent: Agent, tmp_path: Path, relay: Relay
@@ -212,7 +242,7 @@ def test_backends_run_drives_a_node_agent_with_a_policy_script(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == 2, summary
+    assert summary["mean_reward"] == 1.0 and summary["policy_calls"] == agent.calls, summary
     assert "handshake" not in done.stderr  # Codex's websocket try is refused cleanly
 
 
@@ -257,3 +287,82 @@ async def test_a_node_package_without_the_command_is_refused(tmp_path: Path) -> 
     # A real package with no `codex` command: nothing of it is linked or run.
     with pytest.raises(RuntimeBuildError, match=r"no 'codex' command after installing semver"):
         await ensure_runtime(node_recipe("semver@7.6.3"), root=tmp_path / "runtimes")
+
+
+def local_package(folder: Path, postinstall: str) -> str:
+    """A package of our own with one Node command, ``fake-tool``, and an install script."""
+    folder.mkdir(parents=True)
+    (folder / "package.json").write_text(
+        json.dumps(
+            {
+                "name": "fake-tool",
+                "version": "1.0.0",
+                "bin": {"fake-tool": "cli.js"},
+                "scripts": {"postinstall": postinstall},
+            }
+        )
+    )
+    (folder / "cli.js").write_text(
+        "#!/usr/bin/env node\nconsole.log(`fake-tool on node ${process.version}`)\n"
+    )
+    return f"file:{folder}"
+
+
+@pytest.mark.sandbox
+async def test_a_packages_install_script_runs_offline_in_a_sandbox_never_on_the_host(
+    tmp_path: Path,
+) -> None:
+    """The install script of a package runs, but in a sandbox that sees only the runtime: what
+    it writes to /tmp stays there, the network is not there, and what it makes in its own
+    folder is kept. The command runs on the runtime's own Node."""
+    canary = Path("/tmp") / f"runtime-canary-{uuid.uuid4().hex}"
+    script = (
+        f"touch {canary}; "
+        "if timeout 3 bash -c 'echo > /dev/tcp/1.1.1.1/80' 2>/dev/null; then echo online; "
+        "else echo offline; fi > made-by-install.txt"
+    )
+    recipe = NodeRuntime(
+        name="fake-tool",
+        agent_class="backends.runtimes.agents:Codex",
+        packages=(local_package(tmp_path / "pkg", script),),
+        commands=("fake-tool",),
+        check="fake-tool",
+        version_of="fake-tool",
+    )
+    cache = Path(tempfile.mkdtemp(dir=cache_dir(), prefix="test-runtimes-"))
+    runtime = await ensure_runtime(recipe, root=cache / "runtimes")
+    try:
+        assert not canary.exists()  # it ran, but not here
+        made = runtime.path / "node_modules" / "fake-tool" / "made-by-install.txt"
+        assert made.read_text() == "offline\n"
+        assert made.stat().st_uid == 0  # given back to root: no sandbox uid owns the runtime
+        done = await anyio.run_process([str(runtime.bin_dir / "fake-tool")])
+        assert done.stdout.decode().strip() == f"fake-tool on node v{recipe.node}"
+        assert runtime.manifest.packages["fake-tool"] == "1.0.0"
+    finally:
+        runtime.release()
+        shutil.rmtree(cache)
+
+
+@pytest.mark.sandbox
+async def test_a_failing_install_script_is_refused_naming_it(tmp_path: Path) -> None:
+    recipe = NodeRuntime(
+        name="fake-tool",
+        agent_class="backends.runtimes.agents:Codex",
+        packages=(local_package(tmp_path / "pkg", "echo cannot >&2; exit 9"),),
+        commands=("fake-tool",),
+        check="fake-tool",
+        version_of="fake-tool",
+    )
+    cache = Path(tempfile.mkdtemp(dir=cache_dir(), prefix="test-runtimes-"))
+    try:
+        with pytest.raises(
+            RuntimeBuildError,
+            match=r"(?s)install scripts of node_modules/fake-tool.*exit 9.*cannot",
+        ):
+            await ensure_runtime(recipe, root=cache / "runtimes")
+    finally:
+        shutil.rmtree(cache)
+    # Outside the cache the sandbox's root could not write what the scripts make: refused.
+    with pytest.raises(RuntimeBuildError, match=r"install scripts run in a sandbox"):
+        await ensure_runtime(recipe, root=tmp_path / "runtimes")

@@ -8,6 +8,7 @@ from backends.bundle.cli import bundle_app
 from backends.cli.report import report_command
 from backends.cli.run import run_command
 from backends.cli.tasks_check import tasks_app
+from backends.fdlimit import raise_open_file_limit
 from backends.relay.cli import relay_command, scripted_policy_command
 from backends.runtimes.cli import runtime_app
 from backends.sandbox.cli import sandbox_app
@@ -39,4 +40,5 @@ app.add_typer(runtime_app, name="runtime")
 
 
 def main() -> None:
+    raise_open_file_limit()
     app()

@@ -28,6 +28,7 @@ from harbor.models.environment_type import EnvironmentType
 from harbor.models.trial.config import EnvironmentConfig
 
 from backends.bundle.agent import BUNDLE_AGENT, WorkflowPlan
+from backends.fdlimit import raise_open_file_limit
 from backends.harbor.agents import AgentSpec, resolve_agent
 from backends.harbor.files import ArtifactSink, Retention
 from backends.harbor.phases import TrialPhases, TrialSettings
@@ -244,6 +245,7 @@ class HarborBackend:
         runtime the first time on this host (mini-swe-agent's: about a minute, once)."""
         # LiteLLM fetches its model cost map from the network at import unless told not to.
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        raise_open_file_limit()  # each sandbox and relayed connection holds fds of this process
         await anyio.to_thread.run_sync(self.settings.agent_class)
         if self.settings.local_sandbox:
             # Sandboxes a killed orchestrator left behind go now, not at the first trial.

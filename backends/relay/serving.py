@@ -145,9 +145,51 @@ class _CoalescingTransport:
         return getattr(self._transport, name)
 
 
+# How long a connection may take to send a request's headers, from its first byte (or, for
+# the first request, from the connect). uvicorn times only the idle wait between requests, so
+# a client that connects and never sends held a connection, and its fds, for good.
+HEADER_TIMEOUT_SEC = 30.0
+
+
 class _Protocol(HttpToolsProtocol):
+    header_timeout_s = HEADER_TIMEOUT_SEC
+    _header_timer: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
+        self._time_headers()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._time_headers()
+
+    def on_headers_complete(self) -> None:
+        self._stop_timing_headers()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timing_headers()
+        super().connection_lost(exc)
+
+    def _time_headers(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _stop_timing_headers(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def _protocol_class(header_timeout_s: float) -> type[_Protocol]:
+    if header_timeout_s == HEADER_TIMEOUT_SEC:
+        return _Protocol
+    return type("_Protocol", (_Protocol,), {"header_timeout_s": header_timeout_s})
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -196,13 +238,15 @@ async def serve_asgi(
     embedded: bool = True,
     access_log: bool = False,
     graceful_shutdown_s: int = 5,
+    header_timeout_s: float = HEADER_TIMEOUT_SEC,
 ) -> AsyncIterator[Listening]:
     """Serve ``app`` until the block exits; yield where it listens.
 
     Raises ``OSError`` if the port or socket path cannot be bound. Needs the asyncio backend
     (uvicorn is asyncio-only). On exit the server stops accepting, lets in-flight requests
     finish for up to ``graceful_shutdown_s`` and then cancels them; the Unix socket file is
-    removed.
+    removed. A connection that takes longer than ``header_timeout_s`` to send a request's
+    headers is closed.
     """
     sockets = [bind_tcp(host, port)]
     bound_port = sockets[0].getsockname()[1]
@@ -211,7 +255,7 @@ async def serve_asgi(
             sockets.append(bind_unix(unix_socket_path))
         config = uvicorn.Config(
             app,
-            http=_Protocol,
+            http=_protocol_class(header_timeout_s),
             lifespan="off",
             access_log=access_log,
             log_level="warning",

@@ -5,7 +5,7 @@ the recipe's runtime once into the shared cache (locked, content-addressed, prun
 returns it held; ``Runtime.sandbox_kwargs`` binds it into a local sandbox read-only; the
 recipe's ``agent_class`` (``agents.py``) is Harbor's agent with its install step replaced by
 that runtime. HarborBackend does all of this for ``agent="mini-swe-agent"`` (a
-``PythonRuntime``), ``"codex"`` and ``"claude-code"`` (``NodeRuntime``s).
+``PythonRuntime``), ``"codex"``, ``"claude-code"`` and ``"opencode"`` (``NodeRuntime``s).
 """
 
 from backends.runtimes.build import Runtime, RuntimeManifest, ensure_runtime, runtimes_dir

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from harbor.agents.installed.base import BaseInstalledAgent
 from harbor.agents.installed.claude_code import ClaudeCode as HarborClaudeCode
 from harbor.agents.installed.codex import Codex as HarborCodex
 from harbor.agents.installed.mini_swe_agent import MiniSweAgent as HarborMiniSweAgent
+from harbor.agents.installed.opencode import OpenCode as HarborOpenCode
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
 from harbor.models.trajectories import Trajectory
@@ -82,9 +82,8 @@ class PreparedRuntimeAgent(BaseInstalledAgent):
         if (await environment.exec(probe)).return_code != 0:
             raise RuntimeMissingError(
                 f"the {self.runtime.name} runtime is in the sandbox, but the agent's user "
-                f"({environment.default_user}) cannot run it: the folders it and the host's "
-                f"Python ({sys.base_prefix}) are bound under are closed to that user; run "
-                "the agent as root"
+                f"({environment.default_user}) cannot run it: a folder it is bound under is "
+                "closed to that user"
             )
 
     async def exec_as_agent(
@@ -155,8 +154,28 @@ def link_tool_results(trajectory: Trajectory, answers: list[tuple[Any, str]]) ->
     return changed
 
 
+# Codex's own settings for a sandbox with only the relay to reach: the relay's route as a
+# Responses provider of its own (Codex's built-in OpenAI provider first tries a websocket,
+# which the relay refuses, six times with backoff: 6.5 s a trial), and nothing to phone home
+# (analytics, feedback and the update check each waited for a name lookup that never comes:
+# 4.6 s). Harbor fills in the route's URL and key.
+OFFLINE_CODEX_CONFIG: dict[str, Any] = {
+    "model_provider": "relay",
+    "model_providers": {
+        "relay": {"name": "relay", "wire_api": "responses", "env_key": "OPENAI_API_KEY"}
+    },
+    "analytics": {"enabled": False},
+    "feedback": {"enabled": False},
+    "check_for_update_on_startup": False,
+}
+
+
 class Codex(PreparedRuntimeAgent, HarborCodex):
-    """Harbor's codex, from the ``codex`` runtime."""
+    """Harbor's codex, from the ``codex`` runtime, configured for the relay
+    (``OFFLINE_CODEX_CONFIG``, unless the user passes a ``config`` of their own)."""
+
+    def __init__(self, *args: Any, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, config=OFFLINE_CODEX_CONFIG if config is None else config, **kwargs)
 
 
 class ClaudeCode(PreparedRuntimeAgent, HarborClaudeCode):
@@ -171,3 +190,7 @@ class ClaudeCode(PreparedRuntimeAgent, HarborClaudeCode):
         if model_name and "/" in model_name:
             model_name = "anthropic/" + model_name.partition("/")[2]
         super().__init__(*args, model_name=model_name, **kwargs)
+
+
+class OpenCode(PreparedRuntimeAgent, HarborOpenCode):
+    """Harbor's opencode, from the ``opencode`` runtime."""

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from backends.bundle import cache
 from backends.bundle.build import BundleError
+from backends.runtimes.interpreter import ensure_python, python_dir
 from backends.runtimes.recipes import Recipe, RuntimeBuildError
 from backends.sandbox.settings import cache_dir
 
@@ -56,6 +57,7 @@ class RuntimeManifest(BaseModel):
     size_bytes: int
     build_sec: float
     interpreter: str = "venv/bin/python"  # what the commands run on, relative to the runtime
+    python: str | None = None  # the copy of Python a Python runtime runs on, bound beside it
 
     @classmethod
     def load(cls, runtime_dir: Path | str) -> RuntimeManifest:
@@ -72,28 +74,34 @@ class Runtime:
 
     path: Path
     manifest: RuntimeManifest
-    hold: cache.Hold | None = field(default=None, compare=False, repr=False)
+    holds: tuple[cache.Hold, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def bin_dir(self) -> Path:
         return self.path / "bin"
 
     def release(self) -> None:
-        if self.hold is not None:
-            self.hold.release()
+        for held in self.holds:
+            held.release()
 
     def binds(self) -> list[dict[str, Any]]:
-        """LocalSandbox ``extra_binds`` showing the runtime read-only, at its own path."""
-        return [{"source": str(self.path), "target": str(self.path), "read_only": True}]
+        """LocalSandbox ``extra_binds`` showing the runtime read-only at its own path, and the
+        copy of Python it runs on, if any (a Node runtime carries its own Node)."""
+        return _binds(self.path, self.path, self.manifest.python)
 
     def sandbox_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """LocalSandbox kwargs with the runtime bound in, and the host's Python for a Python
-        runtime (its venv's); a Node runtime carries its own Node."""
+        """LocalSandbox kwargs with the runtime bound in."""
         binds = kwargs.get("extra_binds") or []
         if isinstance(binds, str):
             binds = [b for b in binds.split(",") if b]
-        kwargs = {**kwargs, "extra_binds": [*binds, *self.binds()]}
-        return {**kwargs, "host_python": True} if self.manifest.kind == "python" else kwargs
+        return {**kwargs, "extra_binds": [*binds, *self.binds()]}
+
+
+def _binds(source: Path, target: Path, python: str | None) -> list[dict[str, Any]]:
+    binds = [{"source": str(source), "target": str(target), "read_only": True}]
+    if python is not None:
+        binds.append({"source": python, "target": python, "read_only": True})
+    return binds
 
 
 def runtimes_dir() -> Path:
@@ -113,16 +121,25 @@ async def ensure_runtime(recipe: Recipe, *, root: Path | None = None) -> Runtime
     """
     root = root or runtimes_dir()
     path = root / f"{recipe.name}-{runtime_key(recipe)}"
-    held = await cache.hold_built(path, lambda: _build(recipe, path))
-    return Runtime(path, RuntimeManifest.load(path), held)
+    python = python_dir(root) if recipe.kind == "python" else None
+    holds: list[cache.Hold] = []
+    try:
+        if python is not None:  # it runs on a copy of the host's Python, held with it
+            holds.append(await ensure_python(root))
+        holds.append(await cache.hold_built(path, lambda: _build(recipe, path, python)))
+        return Runtime(path, RuntimeManifest.load(path), tuple(holds))
+    except BaseException:
+        for held in holds:
+            held.release()
+        raise
 
 
-async def _build(recipe: Recipe, path: Path) -> None:
+async def _build(recipe: Recipe, path: Path, python: Path | None) -> None:
     started = time.monotonic()
     stage = await anyio.to_thread.run_sync(_new_stage, path)
     try:
         packages = await recipe.install(stage)
-        await check_runtime(recipe, stage, path)
+        await check_runtime(recipe, stage, path, python)
         manifest = RuntimeManifest(
             name=recipe.name,
             kind=recipe.kind,
@@ -132,6 +149,7 @@ async def _build(recipe: Recipe, path: Path) -> None:
             commands=list(recipe.commands),
             env=dict(recipe.env),
             interpreter=recipe.interpreter,
+            python=None if python is None else str(python),
             size_bytes=0,
             build_sec=round(time.monotonic() - started, 3),
         )
@@ -158,13 +176,15 @@ def _finish(stage: Path, path: Path, manifest: RuntimeManifest) -> None:
     os.rename(stage, path)
 
 
-async def check_runtime(recipe: Recipe, stage: Path, path: Path) -> None:
-    """Run the recipe's check offline in a sandbox that sees ``stage`` read-only at ``path``."""
+async def check_runtime(recipe: Recipe, stage: Path, path: Path, python: Path | None) -> None:
+    """Run the recipe's check offline in a sandbox that sees ``stage`` read-only at ``path``
+    (and the copy of Python it runs on), as an unprivileged user: every agent user can."""
     from backends.bundle.environment import run_in_sandbox
 
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in recipe.env.items())
     script = (
-        f'export PATH={shlex.quote(str(path / "bin"))}:"$PATH" PYTHONDONTWRITEBYTECODE=1 {exports}; '
+        f'export PATH={shlex.quote(str(path / "bin"))}:"$PATH" HOME=/tmp PYTHONDONTWRITEBYTECODE=1 '
+        f"{exports}; "
         f"{recipe.check}"
     )
     with tempfile.TemporaryDirectory(prefix="runtime-check-") as empty:
@@ -172,8 +192,8 @@ async def check_runtime(recipe: Recipe, stage: Path, path: Path) -> None:
             await run_in_sandbox(
                 Path(empty),
                 CHECK_IMAGE,
-                [{"source": str(stage), "target": str(path), "read_only": True}],
-                script,
+                _binds(stage, path, None if python is None else str(python)),
+                f"setpriv --reuid=65534 --regid=65534 --clear-groups -- sh -c {shlex.quote(script)}",
                 name=f"runtime-check-{recipe.name}"[:40],
                 what=f"checking the {recipe.name} runtime offline in a sandbox ({recipe.check!r})",
             )

@@ -20,7 +20,6 @@ import os
 import platform
 import shlex
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Protocol
 
 import anyio
 
-from backends.sandbox.settings import UID_BASE
+from backends.sandbox.settings import UID_BASE, cache_dir
 
 
 class RuntimeBuildError(ValueError):
@@ -71,19 +70,21 @@ class Recipe(Protocol):
         ...
 
 
-def _host_platform() -> str:
+def host_platform() -> str:
     libc, version = platform.libc_ver()
     return f"{libc or 'unknown'}-{version or '0'}-{platform.machine()}"
 
 
 @dataclass(frozen=True)
 class PythonRuntime:
-    """A Python tool from the package index, in a relocatable venv of the host's Python.
+    """A Python tool from the package index, in a relocatable venv of a copy of the host's
+    Python (``backends.runtimes.interpreter``), both bound read-only into the sandbox.
 
-    The venv runs on the host's interpreter, which local sandboxes bind read-only at its own
-    path (``host_python``), so its wheels are the ones that interpreter takes (this host's
-    glibc and machine, both in the key). Only wheels are installed: no package's build code
-    runs on the host. Bytecode is compiled at build, as the sandbox sees the runtime read-only.
+    The copy is the host's interpreter, so the venv's wheels are the ones it takes (this
+    host's glibc and machine, both in the key); it lives in the cache, not under the host's
+    ``/root``, so a task's non-root agent user can run it too. Only wheels are installed: no
+    package's build code runs on the host. Bytecode is compiled at build, as the sandbox sees
+    the runtime read-only.
     """
 
     name: str
@@ -103,29 +104,30 @@ class PythonRuntime:
         return "venv/bin/python"
 
     def identity(self) -> str:
-        python = f"{sys.base_prefix}\0{'.'.join(map(str, sys.version_info[:3]))}"
+        from backends.runtimes.interpreter import python_dir
+
+        python = python_dir(Path("/")).name  # the copy's version and key
         return json.dumps(
-            {"recipe": asdict(self), "kind": self.kind, "python": python, "host": _host_platform()},
+            {"recipe": asdict(self), "kind": self.kind, "python": python, "host": host_platform()},
             sort_keys=True,
         )
 
     async def install(self, stage: Path) -> dict[str, str]:
         from backends.bundle.build import uv_binary
+        from backends.runtimes.interpreter import interpreter, python_dir
 
         venv = stage / "venv"
-        interpreter = (
-            Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-        )
+        python = interpreter(python_dir(stage.parent))  # built and held by ensure_runtime
         uv = uv_binary()
-        await _run([uv, "venv", "--quiet", "--relocatable", "--python", str(interpreter), str(venv)],
-                   what=f"creating the {self.name} runtime's virtualenv")  # fmt: skip
-        await _run(
+        await run_tool([uv, "venv", "--quiet", "--relocatable", "--python", str(python), str(venv)],
+                       what=f"creating the {self.name} runtime's virtualenv")  # fmt: skip
+        await run_tool(
             [uv, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"),
              "--only-binary", ":all:", "--compile-bytecode", "--link-mode", "copy",
              *self.packages],
             what=f"installing {', '.join(self.packages)} for the {self.name} runtime",
         )  # fmt: skip
-        frozen = await _run(
+        frozen = await run_tool(
             [uv, "pip", "freeze", "--python", str(venv / "bin" / "python")],
             what=f"listing the {self.name} runtime's packages",
         )
@@ -149,7 +151,7 @@ class PythonRuntime:
         return versions
 
 
-async def _run(command: list[str], *, what: str) -> str:
+async def run_tool(command: list[str], *, what: str) -> str:
     env = {**os.environ, "UV_NO_PYTHON_DOWNLOADS": "1"}
     try:
         done = await anyio.run_process(command, env=env, check=False)
@@ -214,7 +216,7 @@ class NodeRuntime:
 
     def identity(self) -> str:
         return json.dumps(
-            {"recipe": asdict(self), "kind": self.kind, "host": _host_platform()}, sort_keys=True
+            {"recipe": asdict(self), "kind": self.kind, "host": host_platform()}, sort_keys=True
         )
 
     async def install(self, stage: Path) -> dict[str, str]:
@@ -224,14 +226,22 @@ class NodeRuntime:
                 f"the {self.name} runtime is built with npm, which is not installed on this "
                 "host (`make setup` installs it; or apt-get install npm)"
             )
-        await _run(
-            [npm, "install", "--prefix", str(stage), "--ignore-scripts", "--no-audit",
-             "--no-fund", "--no-update-notifier", "--loglevel=error",
+        await run_tool(
+            [npm, "install", "--prefix", str(stage), "--ignore-scripts", "--install-links",
+             "--no-audit", "--no-fund", "--no-update-notifier", "--loglevel=error",
              f"{self.node_package}@{self.node}", *self.packages],
             what=f"downloading {', '.join(self.packages)} and Node {self.node} from the npm "
             f"registry for the {self.name} runtime",
         )  # fmt: skip
         lock = json.loads((stage / "package-lock.json").read_text())["packages"]
+        # Every package is a copy inside the runtime (local folders too: --install-links),
+        # never a link to a folder of the host's, which the runtime would depend on and
+        # whose install scripts would change it.
+        outside = [k for k in lock if (k and not k.startswith("node_modules/")) or ".." in k]
+        if outside:
+            raise RuntimeBuildError(
+                f"the {self.name} runtime would use packages outside it: {', '.join(outside)}"
+            )
         await self._run_install_scripts(
             stage, [k for k, v in lock.items() if k and v.get("hasInstallScript")]
         )
@@ -260,8 +270,14 @@ class NodeRuntime:
         from backends.bundle.build import BundleError
         from backends.bundle.environment import run_in_sandbox
 
+        if not stage.is_relative_to(cache_dir()):
+            raise RuntimeBuildError(
+                f"the {self.name} runtime's install scripts run in a sandbox, whose root writes "
+                f"only under the cache ({cache_dir()}); {stage.parent} is not in it"
+            )
         path = f'export PATH={shlex.quote(str(stage / "node_modules" / ".bin"))}:"$PATH"'
-        _chown_tree(stage, UID_BASE)  # the sandbox's root writes it
+        # Host UID_BASE is the sandbox's root under the cache (an idmapped view of it).
+        _chown_tree(stage, UID_BASE)
         try:
             with tempfile.TemporaryDirectory(prefix="runtime-scripts-") as empty:
                 await run_in_sandbox(
@@ -346,8 +362,24 @@ CLAUDE_CODE = NodeRuntime(
     version_of="@anthropic-ai/claude-code",
 )
 
+OPENCODE = NodeRuntime(
+    name="opencode",
+    agent_class="backends.runtimes.agents:OpenCode",
+    packages=("opencode-ai@1.18.33",),
+    commands=("opencode",),
+    check="opencode --version",
+    version_of="opencode-ai",
+    # Offline: no model catalogue to fetch, no update or language server to download.
+    env={
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    },
+)
+
 # Harbor agent name -> the recipe HarborBackend prepares for it.
-RUNTIMES: dict[str, Recipe] = {r.name: r for r in (MINI_SWE_AGENT, CODEX, CLAUDE_CODE)}
+RUNTIMES: dict[str, Recipe] = {r.name: r for r in (MINI_SWE_AGENT, CODEX, CLAUDE_CODE, OPENCODE)}
 
 
 def runtime_for(agent_name: str | None) -> Recipe | None:

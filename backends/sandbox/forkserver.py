@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -42,6 +41,8 @@ import anyio
 
 from backends.sandbox import launcher, seccomp, uids
 from backends.sandbox.cgroups import Join
+from backends.sandbox.namespaces import open_namespaces, owner_uid
+from backends.sandbox.pidfds import has_exited
 from backends.sandbox.runtime import BwrapSandbox
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class ForkServer:
         """
         if len(argv) < 3 or argv[1] != "-m" or len(fds) != 3:
             raise ForkServerUnavailable(f"a fork server runs `python -m module`, not {argv!r}")
-        namespaces = open_namespaces(enter_pidfd)
+        namespaces = open_namespaces(enter_pidfd, NAMESPACES)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
         request = {
@@ -265,7 +266,7 @@ class ForkServer:
         except (OSError, ValueError):
             fields = {}
         uids = fields.get("Uid", "").split()
-        gone = select.select([pidfd], [], [], 0)[0]  # then that status was another's
+        gone = has_exited(pidfd)  # then that status was another's
         if (
             gone
             or fields.get("PPid", "").strip() != str(self.proc.pid)
@@ -346,47 +347,6 @@ def shared_writable_mappings(pid: int) -> list[str]:
     with open(f"/proc/{pid}/maps") as maps:
         rows = [line.split(maxsplit=5) for line in maps]
     return [" ".join(r[5:]).strip() or r[0] for r in rows if r[1][:2] == "rw" and r[1][3] == "s"]
-
-
-def open_namespaces(pidfd: int) -> list[int]:
-    """fds of the namespaces of the live process `pidfd` (as `NAMESPACES` lists them).
-
-    Raises:
-        ProcessLookupError: it is gone (its number may be someone else's by now).
-    """
-    pid = pid_of(pidfd)
-    fds: list[int] = []
-    try:
-        for name in NAMESPACES:
-            fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
-        if select.select([pidfd], [], [], 0)[0]:  # exited: those may be another's
-            raise ProcessLookupError(f"process {pid} is gone")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
-
-
-def pid_of(pidfd: int) -> int:
-    for line in Path(f"/proc/self/fdinfo/{pidfd}").read_text().splitlines():
-        if line.startswith("Pid:"):
-            pid = int(line.split()[1])
-            if pid > 0:
-                return pid
-    raise ProcessLookupError("the process of that pidfd is gone")
-
-
-def owner_uid(pidfd: int) -> int:
-    """The host uid a live process runs as (for a sandbox's pid 1: its range's root)."""
-    pid = pid_of(pidfd)
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            uid = int(line.split()[2])  # effective
-            if select.select([pidfd], [], [], 0)[0]:
-                raise ProcessLookupError(f"process {pid} is gone")
-            return uid
-    raise ProcessLookupError(f"process {pid} has no status")
 
 
 def _move(pid: int, cgroup: Join) -> None:

@@ -27,7 +27,6 @@ import hashlib
 import itertools
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -37,7 +36,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
@@ -45,6 +44,7 @@ import anyio
 from backends.sandbox import seccomp
 from backends.sandbox.cgroups import Join
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
+from backends.sandbox.pidfds import has_exited
 from backends.sandbox.settings import UID_BASE, UID_COUNT, cache_dir
 
 _ZYGOTE = Path(__file__).with_name("zygote.py")
@@ -243,6 +243,11 @@ def bwrap_argv(bwrap: str, spec: BootSpec, info_fd: int, seccomp_fd: int) -> lis
         if Path("/etc/hosts").exists():
             argv += ["--ro-bind", "/etc/hosts", "/etc/hosts"]
     for i, b in enumerate(spec.binds):
+        # The folders a bind's mount point needs are made open to every user (bwrap's own are
+        # 0700, which kept a task's non-root agent user from a runtime under
+        # /var/cache/backends); folders the image has keep their own mode.
+        for folder in reversed(PurePosixPath(b.target).parents[:-1]):
+            argv += ["--perms", "0755", "--dir", str(folder)]
         argv += ["--ro-bind" if b.read_only else "--bind", str(staged(spec, i)), b.target]
     return [*argv, "--", *KEEPALIVE]
 
@@ -562,7 +567,7 @@ class Booted:
         if self.init_fd < 0:
             return False
         # Readable once it exited, even while still a zombie (a signal would reach that).
-        return not select.select([self.init_fd], [], [], 0)[0]
+        return not has_exited(self.init_fd)
 
     def open_namespace(self, name: str) -> int:
         """An fd of one of the sandbox's namespaces, checked to belong to its live pid 1.

@@ -41,6 +41,7 @@ from backends.sandbox.errors import (
 )
 from backends.sandbox.filtered import CheckedDownloads
 from backends.sandbox.launcher import Bind
+from backends.sandbox.relay_forwarder import RelayForwarder
 from backends.sandbox.runtime import (
     OUTPUT_LIMIT,
     BwrapSandbox,
@@ -131,10 +132,11 @@ class LocalSandbox(CheckedDownloads):
       `host:sandbox[:ro|rw]`. Sources need not be reachable by the sandbox uid: the launcher
       binds them as host root before entering the user namespace.
     - `relay_socket`: host path of a Unix socket (the policy relay). It is bound at
-      `/run/backends/relay.sock` and a `socat` forwarder inside listens on
-      `127.0.0.1:<relay_port>` (default 18080) and connects to it, so a sandbox without
-      network reaches exactly that one endpoint. The socket must accept connections from any
-      sandbox's host uid (for example mode 0666; its directory may stay private).
+      `/run/backends/relay.sock`, and `127.0.0.1:<relay_port>` (default 18080) inside is
+      forwarded to it from the host (`backends.sandbox.relay_forwarder`: no process inside),
+      so a sandbox without network reaches exactly that one endpoint. The socket must accept
+      connections from any sandbox's host uid (for example mode 0666; its directory may
+      stay private).
     - `relay_port`: the in-sandbox TCP port of that forwarder.
     - `host_python`: True binds this host interpreter's installation (`sys.base_prefix`)
       read-only at its original path (its RUNPATH needs that path); a string binds that
@@ -210,6 +212,7 @@ class LocalSandbox(CheckedDownloads):
         self._extra_binds = _parse_binds(extra_binds)
         self._relay_socket = Path(relay_socket) if relay_socket else None
         self._relay_port = int(relay_port)
+        self._relay_forwarder: RelayForwarder | None = None
         if isinstance(host_python, str) and host_python.lower() in ("true", "false", "1", "0"):
             host_python = _flag(host_python, "host_python")
         self._host_python = host_python
@@ -378,26 +381,25 @@ class LocalSandbox(CheckedDownloads):
             raise
 
     async def _start_relay_forwarder(self) -> None:
-        port = self._relay_port
-        hex_port = f"{port:04X}"
-        script = (
-            f"socat TCP-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork "
-            f"UNIX-CONNECT:{RELAY_SOCKET_PATH} </dev/null >/dev/null 2>&1 &\n"
-            # Ready once the port listens (state 0A); probing by connecting would open a
-            # spurious connection to the relay.
-            "for i in $(seq 500); do "
-            f"grep -q ':{hex_port} 00000000:0000 0A' /proc/net/tcp && exit 0; sleep 0.01; done\n"
-            "exit 1"
-        )
-        # From /: the task's workdir may not exist yet (it is made after start).
-        res = await self.exec(script, user="root", cwd="/")
-        if res.return_code != 0:
-            raise SandboxNotRunningError(f"relay forwarder did not start on port {port}")
+        assert self._box is not None and self._relay_socket is not None
+        try:
+            self._relay_forwarder = await RelayForwarder.start(
+                self._box.init_pidfd, self._relay_port, self._relay_socket
+            )
+        except OSError as e:  # ProcessLookupError too: the sandbox died
+            raise SandboxNotRunningError(
+                f"relay forwarder did not start on port {self._relay_port}: {e}"
+            ) from e
 
     async def stop(self, delete: bool) -> None:
+        forwarder, self._relay_forwarder = self._relay_forwarder, None
         box, self._box = self._box, None
-        if box is not None:
-            await box.stop()
+        try:
+            if forwarder is not None:
+                await forwarder.aclose()
+        finally:
+            if box is not None:
+                await box.stop()
 
     async def end_processes(self) -> bool:
         """Kill every process in the sandbox but its pid 1 (what an agent left running);

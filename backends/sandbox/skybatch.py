@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -117,18 +118,13 @@ class Batcher:
         batch.full.set()
 
     async def _run(self, sdk: Any, run: skyruns.Run, key: Any, batch: _Batch) -> None:
-        policy = batch.policy
         failure: Exception = SandboxStartError(
             "the sandbox create was cancelled: the backend is closing"
         )
         try:
-            with anyio.move_on_after(policy.window):
+            with anyio.move_on_after(batch.policy.window):
                 await batch.full.wait()
-            async with skyruns.admission(policy.max_concurrent):
-                if policy.jitter:
-                    await anyio.sleep(random.uniform(0, policy.jitter))
-                self._close(key, batch)
-                await self._attempts(sdk, run, batch)
+            await self._attempts(sdk, run, key, batch)
         except Exception as exc:  # each creator gets it; the task itself ends quietly
             failure = exc
         finally:
@@ -136,9 +132,10 @@ class Batcher:
             for _, fut in batch.waiting():
                 fut.set_exception(failure)
 
-    async def _attempts(self, sdk: Any, run: skyruns.Run, batch: _Batch) -> None:
+    async def _attempts(self, sdk: Any, run: skyruns.Run, key: Any, batch: _Batch) -> None:
+        policy = batch.policy
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(batch.policy.attempts),
+            stop=tenacity.stop_after_attempt(policy.attempts),
             wait=tenacity.wait_random_exponential(multiplier=0.5, max=10),
             retry=tenacity.retry_if_exception(_retryable),
             reraise=True,
@@ -147,12 +144,17 @@ class Batcher:
         async for try_ in retrying:
             with try_:
                 attempt += 1
-                creators = batch.waiting()
-                if not creators:
-                    return  # every creator went away before its sandbox was asked for
-                skyruns.counters["creates"] += 1
-                skyruns.counters["create_retries"] += attempt > 1
-                boxes = await self._call(sdk, run, batch.spec, creators, attempt)
+                # Admission per call (a backoff holds no slot); creators join until it is had.
+                async with skyruns.admission(policy.max_concurrent):
+                    if policy.jitter:
+                        await anyio.sleep(random.uniform(0, policy.jitter))
+                    self._close(key, batch)
+                    creators = batch.waiting()
+                    if not creators:
+                        return  # every creator went away before its sandbox was asked for
+                    skyruns.counters["creates"] += 1
+                    skyruns.counters["create_retries"] += attempt > 1
+                    boxes = await self._call(sdk, run, batch.spec, creators, attempt)
                 for (_, fut), box in zip(creators, boxes, strict=True):
                     if fut.done():  # its creator was cancelled during the call
                         self._hand_back(sdk, run, box)
@@ -168,18 +170,18 @@ class Batcher:
         attempt: int,
     ) -> list[Any]:
         """One create call for ``creators``; when it fails, nothing of it is left."""
+        batch = None
         if len(creators) == 1:
-            base = skyruns.sandbox_name(run, creators[0][0], retry=attempt)
-            names = [base]
+            names = [skyruns.sandbox_name(run, creators[0][0], retry=attempt)]
         else:
-            base = skyruns.batch_name(run)
-            names = [skyruns.member_name(base, i) for i in range(1, len(creators) + 1)]
+            batch = skyruns.batch_name(run)
+            names = [skyruns.member_name(batch, i) for i in range(1, len(creators) + 1)]
         run.live.update(names)  # a half-made batch is reaped at exit (or after a crash) too
         try:
-            if len(names) == 1:
-                boxes = [await sdk.create.aio(name=base, **spec)]
+            if batch is None:
+                boxes = [await sdk.create.aio(name=names[0], **spec)]
             else:
-                boxes = list(await sdk.create.aio(name=base, num_sandboxes=len(names), **spec))
+                boxes = list(await sdk.create.aio(name=batch, num_sandboxes=len(names), **spec))
             run.live.update(box.name for box in boxes)
             if len(boxes) != len(names):
                 raise ShortBatchError(
@@ -192,7 +194,7 @@ class Batcher:
             # The server may have made some or all of them and the answer been lost:
             # terminate what the listing shows now, not at exit, before a retry makes more.
             with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SEC):
-                await release(sdk, run, base, names)
+                await release(sdk, run, names, batch)
             raise
 
     def _hand_back(self, sdk: Any, run: skyruns.Run, box: Any) -> None:
@@ -201,7 +203,7 @@ class Batcher:
 
         async def terminate() -> None:
             with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SEC):
-                await release(sdk, run, box.name, [box.name])
+                await release(sdk, run, [box.name])
 
         self._spawn(terminate)
 
@@ -225,17 +227,19 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, ShortBatchError) or skysdk.is_transient(exc)
 
 
-async def release(sdk: Any, run: skyruns.Run, base: str, names: list[str]) -> None:
-    """Terminate every listed sandbox among ``names`` or named ``<base>-...`` (so members
-    named otherwise than documented are found too). A name not listed stays in ``run.live``:
-    a create the server still works on may make it later, and the exit hook looks again."""
+async def release(sdk: Any, run: skyruns.Run, names: list[str], batch: str | None = None) -> None:
+    """Terminate every listed sandbox among ``names`` or, for a ``batch``, named as its
+    members are (``<batch>-0001``, ...; however many the server made). A name not listed
+    stays in ``run.live``: a create the server still works on may make it later, and the
+    exit hook looks again."""
     try:
         listed = {box.name: box for box in await sdk.ls.aio()}
     except Exception as exc:
-        log.warning("%s: could not list sandboxes after a failed create: %s", base, exc)
+        log.warning("%s: could not list sandboxes after a failed create: %s", names[0], exc)
         return
+    member = re.compile(rf"{re.escape(batch)}-\d+") if batch is not None else None
     for name, box in listed.items():
-        if name not in names and not name.startswith(f"{base}-"):
+        if name not in names and not (member is not None and member.fullmatch(name)):
             continue
         try:
             await box.terminate.aio(wait=True)

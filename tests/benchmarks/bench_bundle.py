@@ -21,6 +21,7 @@ most 50 ms) and its split (Harbor's agent phase = the runner's process), and the
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -80,6 +81,7 @@ def median_ms(values: list[float]) -> float:
 
 
 async def main(rounds: int) -> None:
+    load_before = os.getloadavg()[0]
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as d:
@@ -140,7 +142,8 @@ async def main(rounds: int) -> None:
             for backend in (bundled, cold, oracle, first):  # warm runners end with them
                 await backend.aclose()
 
-    print(f"bundle benchmark: {rounds} interleaved rounds, medians")
+    load = f"load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    print(f"bundle benchmark: {rounds} interleaved rounds, medians ({load})")
     for name in loops:
         print(
             f"  {name:38s} {median_ms(timings[name]):8.1f} ms"

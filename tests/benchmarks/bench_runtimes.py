@@ -11,8 +11,9 @@ Interleaved rounds of:
   Python in the trial's sandbox (what every LiteLLM-based agent pays at its start);
 * HarborBackend with `agent="mini-swe-agent"`: the runtime bound in, two policy calls;
 * an agent that only runs `codex --version` from the codex runtime (its Node and binary start);
-* HarborBackend with `agent="codex"` and `agent="claude-code"` (Node runtimes; Responses and
-  Messages through the relay), two policy calls each.
+* HarborBackend with `agent="codex"`, `"claude-code"` and `"opencode"` (Node runtimes;
+  Responses and Messages through the relay), two policy calls each (opencode also asks for
+  a title: three).
 
 Prints medians per loop (whole rollout and Harbor's agent phase), the differences and the
 ratio against the oracle trial, and the runtime's one-time build as its manifest recorded it.
@@ -51,7 +52,7 @@ SCRIPTS = ROOT / "tasks" / "harbor-templates"
 _ids = iter(range(10**9))
 
 
-AGENTS = ("mini-swe-agent", "codex", "claude-code")
+AGENTS = ("mini-swe-agent", "codex", "claude-code", "opencode")
 
 
 class RunsOnly(BaseAgent):
@@ -169,6 +170,7 @@ async def main(rounds: int) -> None:
                 "codex --version only": (lambda: one(version, 0.0), []),
                 "codex": (run("codex"), []),
                 "claude-code": (run("claude-code"), []),
+                "opencode": (run("opencode"), []),
             }
             for fn, _ in loops.values():  # warm-up: imports, the runtime, the image
                 await fn()

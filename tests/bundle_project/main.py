@@ -132,12 +132,19 @@ def warm_up() -> None:
 
 class ReportsParent(AgentWorkflow):
     """The sample, and in its metrics whether the runner's parent is in its pid namespace
-    (a shell's exec: yes; forked from a warm runner: no, its launcher is outside) and whether
-    it started from the project's warm-up."""
+    (a shell's exec: yes; forked from a warm runner: no, its launcher is outside), whether
+    it started from the project's warm-up, and how many processes the sandbox runs besides
+    pid 1 and the runner's own (none: the relay's port is served from the host)."""
 
     async def run(self, ctx: AgentWorkflowContext[Any]) -> AgentWorkflowOutput:
         reply = await ask(ctx)
-        metrics = {"parent_visible": float(os.getppid() != 0), "warmed_up": float(WARMED_UP)}
+        own = {1, os.getpid(), os.getppid()}
+        others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in own]
+        metrics = {
+            "parent_visible": float(os.getppid() != 0),
+            "warmed_up": float(WARMED_UP),
+            "other_processes": float(len(others)),
+        }
         return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics=metrics)
 
 

@@ -57,15 +57,6 @@ class ArithmeticWorkflow(AgentWorkflow[ArithmeticConfig]):
         return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics=metrics)
 
 
-def warm_up() -> None:
-    """Run once by a sandbox's warm runner (pyproject.toml: [tool.backends] warm_up), with no
-    network and no rollout: openai loads its chat resources and HTTP stack on first use, so
-    every forked rollout would pay that again."""
-    client = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="warm-up")
-    assert client.chat.completions is not None
-    anyio.run(client.close)
-
-
 def final_number(text: str) -> str | None:
     numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
     return numbers[-1] if numbers else None
