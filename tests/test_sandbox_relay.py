@@ -1,4 +1,4 @@
-"""Hooks the relay and bundle features rely on: a bound relay socket, binds, host Python."""
+"""Hooks the relay and bundle features rely on: the relay's port inside, binds, host Python."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ async def test_relay_socket_reachable_without_network(tmp_path: Path) -> None:
         )
         assert "relay:GET" in res.stdout, res
         assert (await env.exec("cat /proc/net/dev | grep -c :")).stdout == "1\n"
+        # The socket itself is not inside: the forwarder, with its cap, is the only way in,
+        # so one sandbox cannot hold thousands of the orchestrator's fds.
+        mounts = await env.exec(f"grep -c {path.name} /proc/self/mountinfo; ls /run/backends")
+        assert mounts.stdout.split("\n")[0] == "0", mounts
     finally:
         await env.stop(delete=True)
         server.close()

@@ -21,9 +21,9 @@ Host side, in process::
 
 Reaching the relay:
     * host processes: ``grant.base_url`` (the TCP address, ``relay.base_url``);
-    * a local sandbox with no network: bind-mount ``relay.unix_socket_path`` into it and run a
-      forwarder there (``socat TCP-LISTEN:<port>,bind=127.0.0.1,fork UNIX-CONNECT:<socket>``);
-      the agent uses ``grant.url_at("http://127.0.0.1:<port>")``;
+    * a local sandbox: ``LocalSandbox(relay_socket=relay.unix_socket_path)`` serves
+      ``127.0.0.1:<port>`` inside from the host, forwarding to that socket (at most 64
+      connections at once); the agent uses ``grant.url_at("http://127.0.0.1:<port>")``;
     * a remote sandbox: ``Relay(advertised_url=...)`` and ``relay.remote_base_url(rollout_id)``.
 
 Errors, by what the caller gets:

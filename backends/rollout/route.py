@@ -34,7 +34,7 @@ class PolicyRoute(BaseModel):
     base_url: str | None  # OpenAI base URL as seen from this host (clients add /chat/completions)
     api_key: str | None = Field(default=None, repr=False)
     relay_path: str | None = None
-    relay_socket: Path | None = None  # the relay's Unix socket, to bind into a local sandbox
+    relay_socket: Path | None = None  # the relay's Unix socket, a local sandbox's forwarder's
     advertised_url: str | None = None  # the relay's origin as remote sandboxes reach it
     # Set by RelayedBackend: ends this registration (its token is refused from then on, its
     # calls leave the rollout's trace) and returns the route of a fresh one, for a retry
@@ -75,7 +75,7 @@ class PolicyRoute(BaseModel):
     def sandbox_base_url(self, forwarder_port: int | None = None) -> str:
         """The base URL an agent inside a sandbox uses.
 
-        With ``forwarder_port`` (a local sandbox that binds ``relay_socket`` and forwards
+        With ``forwarder_port`` (a local sandbox whose forwarder reaches ``relay_socket`` and forwards
         ``127.0.0.1:<port>`` to it), the forwarder; otherwise the advertised URL. Raises
         ``RolloutValidationError`` when the rollout is not relayed (the sandbox would hold the
         upstream key) or the sandbox has no way to reach the relay.

@@ -54,7 +54,6 @@ from backends.sandbox.runtime import (
 
 log = logging.getLogger(__name__)
 
-RELAY_SOCKET_PATH = "/run/backends/relay.sock"
 DEFAULT_RELAY_PORT = 18080
 DEFAULT_PIDS_LIMIT = 2048
 
@@ -131,12 +130,12 @@ class LocalSandbox(CheckedDownloads):
       `{"source", "target", "read_only"=True}`, or a comma-separated string of
       `host:sandbox[:ro|rw]`. Sources need not be reachable by the sandbox uid: the launcher
       binds them as host root before entering the user namespace.
-    - `relay_socket`: host path of a Unix socket (the policy relay). It is bound at
-      `/run/backends/relay.sock`, and `127.0.0.1:<relay_port>` (default 18080) inside is
-      forwarded to it from the host (`backends.sandbox.relay_forwarder`: no process inside),
-      so a sandbox without network reaches exactly that one endpoint. The socket must accept
-      connections from any sandbox's host uid (for example mode 0666; its directory may
-      stay private).
+    - `relay_socket`: host path of a Unix socket (the policy relay). `127.0.0.1:<relay_port>`
+      (default 18080) inside is forwarded to it from the host
+      (`backends.sandbox.relay_forwarder`: no process inside), so a sandbox without network
+      reaches exactly that one endpoint. The socket itself is not shown inside: the
+      forwarder's cap on connections is then the only way in, so one sandbox cannot hold
+      more than its share of the orchestrator's fds.
     - `relay_port`: the in-sandbox TCP port of that forwarder.
     - `host_python`: True binds this host interpreter's installation (`sys.base_prefix`)
       read-only at its original path (its RUNPATH needs that path); a string binds that
@@ -333,10 +332,8 @@ class LocalSandbox(CheckedDownloads):
 
     def _binds(self) -> list[Bind]:
         binds = [*self._extra_binds, *self._host_binds]
-        if self._relay_socket is not None:
-            if not self._relay_socket.exists():
-                raise FileNotFoundError(f"relay socket {self._relay_socket} does not exist")
-            binds.append(Bind(self._relay_socket, RELAY_SOCKET_PATH, read_only=False))
+        if self._relay_socket is not None and not self._relay_socket.exists():
+            raise FileNotFoundError(f"relay socket {self._relay_socket} does not exist")
         if self._host_python:
             prefix = Path(sys.base_prefix if self._host_python is True else str(self._host_python))
             binds.append(Bind(prefix, str(prefix), read_only=True))
