@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from backends import HarborBackend, RolloutRequest, RolloutStatus, collect
 from backends.relay import Relay, Script, ScriptedPolicy
 from backends.relayed import RelayedBackend
 from backends.runtimes import RUNTIMES, RuntimeBuildError, ensure_runtime, runtimes_dir
+from backends.runtimes.agents import ClaudeCode, Codex, OpenCode
 from backends.runtimes.recipes import NodeRuntime
 from backends.sandbox.settings import cache_dir
 
@@ -50,7 +52,17 @@ HOST_CREDENTIALS = (
     "ANTHROPIC_AUTH_TOKEN",
     "CLAUDE_CODE_OAUTH_TOKEN",
     "AWS_ACCESS_KEY_ID",
+    "AWS_BEARER_TOKEN_BEDROCK",
 )
+# Host switches Harbor's model-connection resolution and commands read: none may move the
+# agent off the relay (Bedrock would time out offline, a reward-0 "success"), drop its key or
+# change how it runs.
+HOST_SWITCHES = {
+    "CLAUDE_CODE_USE_BEDROCK": "1",
+    "CODEX_FORCE_AUTH_JSON": "1",
+    "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "7",
+    "CLAUDE_CODE_DISABLE_ADAPTIVE_THINKING": "1",
+}
 OFFLINE = EnvironmentConfig(kwargs={"network": "none"})
 
 # Saves the environment of every process in the sandbox (the agent's own among them), which
@@ -75,11 +87,12 @@ class Agent:
     def script_path(self) -> Path:
         return TEMPLATES / f"{self.name}.json"
 
-    def spying_script(self) -> Script:
+    def spying_script(self, then: str = "") -> Script:
+        """The agent's script, its command run after the spy (and then ``then``)."""
         data = json.loads(self.script_path.read_text())
         for rule in data["rules"]:
             arguments = rule["turns"][0]["tool_calls"][0]["arguments"]
-            arguments[self.argument] = SPY + arguments[self.argument]
+            arguments[self.argument] = SPY + arguments[self.argument] + then
         return Script.model_validate(data)
 
 
@@ -87,12 +100,18 @@ CODEX = Agent("codex", "responses", "cmd")
 CLAUDE_CODE = Agent("claude-code", "messages", "command")
 OPENCODE = Agent("opencode", "responses", "command", calls=3)  # it also asks for a title
 AGENTS = [CODEX, CLAUDE_CODE, OPENCODE]
+AGENT_CLASSES = {"codex": Codex, "claude-code": ClaudeCode, "opencode": OpenCode}
 
 
 @pytest.fixture
-async def relay(agent: Agent, tmp_path: Path) -> AsyncIterator[Relay]:
+def then() -> str:
+    return ""  # what the agent's command runs last (none unless a test says so)
+
+
+@pytest.fixture
+async def relay(agent: Agent, tmp_path: Path, then: str) -> AsyncIterator[Relay]:
     async with (
-        ScriptedPolicy(agent.spying_script()) as policy,
+        ScriptedPolicy(agent.spying_script(then)) as policy,
         Relay(
             upstream_url=policy.base_url,
             upstream_api_key=UPSTREAM_KEY,
@@ -150,6 +169,7 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
         f"OPENAI_BASE_URL={route}/v1" if agent is CODEX else f"ANTHROPIC_BASE_URL={route}"
     ) in env
     assert UPSTREAM_KEY not in env and HOST_SECRET not in env
+    assert not {line.partition("=")[0] for line in env.splitlines()} & set(HOST_SWITCHES)
     # The runtime's Node stays off the agent's PATH, and the runtime is read-only to it.
     assert not (seen / "node.txt").read_text().startswith(str(runtimes_dir()))
     writable = (seen / "writable.txt").read_text().split()
@@ -162,10 +182,26 @@ def check_solved(agent: Agent, result: Any, tmp_path: Path) -> None:
     assert UPSTREAM_KEY not in written and HOST_SECRET not in written
 
 
+async def solve_workdir_copy(agent: Agent, tmp_path: Path, relay: Relay) -> Any:
+    """One rollout of the dataset's workdir-copy task, through the relay."""
+    backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+    rollout = RolloutRequest(
+        rollout_id=f"{agent.name}-copy", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    )
+    [result] = await collect(RelayedBackend(backend, relay), [rollout])
+    await backend.aclose()
+    return result
+
+
 @pytest.fixture
-def host_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+def host_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in HOST_CREDENTIALS:
         monkeypatch.setenv(name, HOST_SECRET)
+    for name, value in HOST_SWITCHES.items():
+        monkeypatch.setenv(name, value)
+    auth = tmp_path / "host-auth.json"
+    auth.write_text(json.dumps({"OPENAI_API_KEY": HOST_SECRET}))
+    monkeypatch.setenv("CODEX_AUTH_JSON_PATH", str(auth))
 
 
 @pytest.mark.sandbox
@@ -174,13 +210,97 @@ def host_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_harbors_node_agent_solves_a_dataset_task_offline(
     agent: Agent, tmp_path: Path, relay: Relay
 ) -> None:
-    backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
-    rollout = RolloutRequest(
-        rollout_id=f"{agent.name}-sum", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    check_solved(agent, await solve_workdir_copy(agent, tmp_path, relay), tmp_path)
+
+
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("host_credentials")
+@pytest.mark.parametrize("agent", AGENTS, ids=lambda a: a.name)
+async def test_the_hosts_environment_leaves_the_model_connection_alone(
+    agent: Agent, tmp_path: Path
+) -> None:
+    # Harbor's resolver read the host's environment after the agent's: Bedrock for
+    # claude-code (no relay), no API key for codex (its auth.json switches).
+    runtime = await ensure_runtime(RUNTIMES[agent.name])
+    route = {"OPENAI_BASE_URL": "http://relay/v1", "ANTHROPIC_BASE_URL": "http://relay"}
+    route |= {"OPENAI_API_KEY": "rollout-token", "ANTHROPIC_API_KEY": "rollout-token"}
+    try:
+        instance = AGENT_CLASSES[agent.name](
+            logs_dir=tmp_path,
+            model_name="openai/policy",
+            extra_env=route,
+            runtime_dir=str(runtime.path),
+        )
+        connection = instance.model_connection
+    finally:
+        runtime.release()
+    assert connection.api_key == "rollout-token"
+    # The route's values only (Harbor blanks ANTHROPIC_AUTH_TOKEN), no Bedrock or AWS switch.
+    assert {v for v in connection.env.values() if v} <= set(route.values()), connection.env
+
+
+# A sparse 1 GiB file where Harbor's class reads the agent's output after the run (codex: in
+# its home's sessions, copied to the logs at the end; the name sorts last, so it is the one
+# converted; opencode: its output, which the agent's command goes on writing at the start).
+SPARSE_SESSION = {
+    "claude-code": "; mkdir -p /logs/agent/sessions/projects/-app && truncate -s 1G "
+    "/logs/agent/sessions/projects/-app/00000000-0000-4000-8000-000000000000.jsonl",
+    "codex": "; for d in /installed-agent/codex-home/sessions/*/*/*; do truncate -s 1G "
+    "$d/rollout-9999-12-31T00-00-00-zzzz.jsonl; done; true",
+    "opencode": "; truncate -s 1G /logs/agent/opencode.txt",
+}
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(
+    ("agent", "then"),
+    [(a, SPARSE_SESSION[a.name]) for a in AGENTS],
+    ids=lambda a: getattr(a, "name", ""),
+)
+async def test_a_sparse_session_file_is_never_read_by_the_host(
+    agent: Agent, tmp_path: Path, relay: Relay
+) -> None:
+    # Harbor's claude-code and codex classes read each session line whole after the run (on
+    # the event loop), opencode its output file: 1 GiB of holes took +2 GiB of the
+    # orchestrator's memory and blocked every rollout for seconds. The agent's logs are refused at the download instead, naming
+    # the file: the reward and the relay's trace stay, the sample is the instruction alone.
+    result = await solve_workdir_copy(agent, tmp_path, relay)
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0
+    assert len(result.policy_trace.calls) == agent.calls
+    assert [m["role"] for m in result.sample.messages] == ["user"]
+    [log] = (tmp_path / "trials").glob("*/trial.log")
+    assert "' is 1073741824 bytes; files named like it are read whole" in log.read_text()
+    agent_logs = [p for p in (tmp_path / "trials").glob("*/agent/**/*") if p.is_file()]
+    assert not [p for p in agent_logs if p.stat().st_size > 1024 * 1024], agent_logs
+
+
+# A session of the agent's own making, named to sort last: the one Harbor's codex class converts.
+FAKE_SESSION = "".join(
+    json.dumps({"type": "response_item", "payload": {"type": "message", **m}}) + "\n"
+    for m in (
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "FABRICATED"}]},
     )
-    [result] = await collect(RelayedBackend(backend, relay), [rollout])
-    await backend.aclose()
-    check_solved(agent, result, tmp_path)
+)
+SUBSTITUTED_SESSION = (
+    "; for d in /installed-agent/codex-home/sessions/*/*/*; do printf %s "
+    f"{shlex.quote(FAKE_SESSION)} > $d/rollout-9999-12-31T00-00-00-zzzz.jsonl; done; true"
+)
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(("agent", "then"), [(CODEX, SUBSTITUTED_SESSION)], ids=["codex"])
+async def test_a_session_the_agent_substitutes_is_flagged_by_the_relays_trace(
+    agent: Agent, tmp_path: Path, relay: Relay
+) -> None:
+    # Harbor's codex class converts the session file whose name sorts last, so the agent can
+    # choose the sample's messages; the relay's trace shows no policy call produced them.
+    result = await solve_workdir_copy(agent, tmp_path, relay)
+    assert result.status is RolloutStatus.SUCCESS and result.reward == 1.0, result.failure
+    assert len(result.policy_trace.calls) == 2
+    assert result.sample.messages[-1] == {"role": "assistant", "content": "FABRICATED"}
+    assert result.sample.extra_fields["unrelayed_assistant_turns"] == [1]
 
 
 @pytest.mark.sandbox

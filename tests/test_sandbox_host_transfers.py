@@ -318,3 +318,46 @@ async def test_a_sparse_native_trajectory_is_refused_before_the_host_parses_it(
     await sh(env, "truncate -s 1G /logs/agent/mini-swe-agent.trajectory.json")
     with pytest.raises(DownloadTooLargeError, match=r"mini-swe-agent\.trajectory\.json"):
         await env.download_dir("/logs/agent", tmp_path / "agent")
+
+
+@pytest.mark.parametrize(
+    ("plant", "refused"),
+    [
+        # Harbor's claude-code class reads every session file; codex the one sorting last.
+        ("truncate -s 1G sessions/projects/-app/0000.jsonl", r"0000\.jsonl.*at most 33554432"),
+        # Each under the per-file bound, together past the bound for all of them.
+        (
+            "for i in 1 2 3; do truncate -s 30M sessions/projects/-app/$i.jsonl; done",
+            r"\*\.jsonl files to \d+; .*at most 67108864",
+        ),
+        # Hard links to one file: Harbor's glob reads each name.
+        (
+            "truncate -s 30M sessions/a.jsonl && ln sessions/a.jsonl sessions/b.jsonl "
+            "&& ln sessions/a.jsonl sessions/c.jsonl",
+            r"\*\.jsonl files to",
+        ),
+        # A link named like a session, to a large file that is not.
+        ("truncate -s 1G big && ln -s ../../../big sessions/projects/-app/s.jsonl", r"s\.jsonl"),
+    ],
+    ids=["sparse", "total", "hard-links", "symlink"],
+)
+async def test_sparse_or_huge_agent_session_files_are_refused_naming_them(
+    env: BaseEnvironment, tmp_path: Path, plant: str, refused: str
+) -> None:
+    await sh(env, f"cd /logs/agent && mkdir -p sessions/projects/-app && {plant}")
+    with pytest.raises(DownloadTooLargeError, match=refused):
+        await env.download_dir("/logs/agent", tmp_path / "agent")
+    assert not list((tmp_path / "agent").rglob("*.jsonl"))
+
+
+async def test_agent_session_files_within_the_bounds_download(
+    env: BaseEnvironment, tmp_path: Path
+) -> None:
+    await sh(
+        env,
+        "mkdir -p /logs/agent/sessions/projects/-app && cd /logs/agent/sessions/projects/-app "
+        "&& truncate -s 30M a.jsonl && truncate -s 30M b.jsonl",
+    )
+    await env.download_dir("/logs/agent", tmp_path / "agent")
+    sizes = [p.stat().st_size for p in (tmp_path / "agent").rglob("*.jsonl")]
+    assert sizes == [30 * 1024 * 1024] * 2

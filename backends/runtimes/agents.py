@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,27 @@ class PreparedRuntimeAgent(BaseInstalledAgent):
         # host's environment, where Harbor's classes also look for credentials to carry into
         # the sandbox (Claude Code's OAuth token, Codex's login file).
         return tuple(s for s in super()._env_sources() if s is not os.environ)
+
+    @classmethod
+    def resolve_model_connection_config(
+        cls,
+        model_name: str | None,
+        resolve_env: Callable[..., tuple[str, str] | None],
+        *,
+        explicit_env: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> Any:
+        # Harbor resolves the model connection (provider, auth, endpoint) from the agent's
+        # env and then the host's, where CLAUDE_CODE_USE_BEDROCK or CODEX_FORCE_AUTH_JSON
+        # would take every rollout off the relay: resolve from the agent's own env only.
+        own = dict(explicit_env or {})
+
+        def own_env(*names: str) -> tuple[str, str] | None:
+            return next(((name, own[name]) for name in names if name in own), None)
+
+        return super().resolve_model_connection_config(
+            model_name, own_env, explicit_env=explicit_env, **options
+        )
 
     async def install(self, environment: BaseEnvironment) -> None:
         tools = " ".join(
@@ -190,6 +211,31 @@ class ClaudeCode(PreparedRuntimeAgent, HarborClaudeCode):
         if model_name and "/" in model_name:
             model_name = "anthropic/" + model_name.partition("/")[2]
         super().__init__(*args, model_name=model_name, **kwargs)
+
+    async def exec_as_agent(
+        self,
+        environment: BaseEnvironment,
+        command: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_sec: int | None = None,
+    ) -> Any:
+        # Harbor's run() copies these two from the host's environment: take them from the
+        # agent's own env only.
+        env = dict(env or {})
+        for name in HOST_READ_CLAUDE_SETTINGS:
+            env.pop(name, None)
+            if (value := self._get_env(name)) is not None:
+                env[name] = value
+        return await super().exec_as_agent(
+            environment, command, env=env, cwd=cwd, timeout_sec=timeout_sec
+        )
+
+
+HOST_READ_CLAUDE_SETTINGS = (
+    "CLAUDE_CODE_MAX_OUTPUT_TOKENS",
+    "CLAUDE_CODE_DISABLE_ADAPTIVE_THINKING",
+)
 
 
 class OpenCode(PreparedRuntimeAgent, HarborOpenCode):

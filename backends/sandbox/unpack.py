@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fnmatch
 import functools
 import logging
 import os
@@ -45,6 +46,14 @@ PARSED_FILE_LIMITS = {
     "ctrf.json": 64 * 1024 * 1024,
     # Harbor's mini-swe-agent class (and ours, backends.runtimes) parse the native one.
     "mini-swe-agent.trajectory.json": 64 * 1024 * 1024,
+    # Harbor's opencode class parses the agent's output file.
+    "opencode.txt": 64 * 1024 * 1024,
+}
+# The same by base-name pattern, with a bound on all of a download's files of the pattern
+# together: (per file, total). Harbor's claude-code and codex classes convert the session
+# `*.jsonl` files in the agent's logs, any name, each line whole (a sparse file is one line).
+PARSED_PATTERN_LIMITS = {
+    "*.jsonl": (32 * 1024 * 1024, 64 * 1024 * 1024),
 }
 # Host-side mode mask: rwxr-xr-x at most.
 MODE_MASK = 0o755
@@ -73,6 +82,18 @@ Member = tuple[tarfile.TarInfo, Copy | None]
 
 class DownloadTooLargeError(OSError):
     """The download holds more than the caller allows (in total, or one parsed file)."""
+
+
+def parsed_file_limits(name: str) -> tuple[str, int, int | None] | None:
+    """For a file host readers parse whole, by its base name: the name or pattern it is
+    limited under, the limit per file and the limit for all such files together."""
+    base = posixpath.basename(name)
+    if base in PARSED_FILE_LIMITS:
+        return base, PARSED_FILE_LIMITS[base], None
+    for pattern, (per_file, total) in PARSED_PATTERN_LIMITS.items():
+        if fnmatch.fnmatchcase(base, pattern):
+            return pattern, per_file, total
+    return None
 
 
 def _open_beneath(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
@@ -157,6 +178,7 @@ class _Extraction:
     dest: Path
     max_bytes: int
     total: int = 0
+    parsed: dict[str, int] = field(default_factory=dict)  # bytes of parsed files, by pattern
     dirs: dict[tuple[str, ...], int] = field(default_factory=dict)  # open dir fds by path
     created: list[tuple[tuple[str, ...], bool]] = field(default_factory=list)  # (path, is_dir)
     files: set[tuple[str, ...]] = field(default_factory=set)  # regular files written
@@ -200,18 +222,31 @@ class _Extraction:
         return fd
 
     def charge(self, name: str, size: int) -> None:
-        """Count a file's apparent size against the total and its per-file limit."""
-        limit = PARSED_FILE_LIMITS.get(posixpath.basename(name))
-        if limit is not None and size > limit:
-            raise DownloadTooLargeError(
-                f"download member {name!r} is {size} bytes; files named like it are read whole "
-                f"by the host and may be at most {limit} bytes"
-            )
+        """Count a file's apparent size against the total and its parsed-file limits."""
+        self.charge_parsed(f"download member {name!r}", name, size)
         self.total += size
         if self.total > self.max_bytes:
             raise DownloadTooLargeError(
                 f"download is larger than {self.max_bytes} bytes (max_download_bytes), counting "
                 "sparse files at their full size"
+            )
+
+    def charge_parsed(self, what: str, name: str, size: int) -> None:
+        """Count a file (or a link to one) the host may parse whole against its limits."""
+        limits = parsed_file_limits(name)
+        if limits is None:
+            return
+        group, per_file, total = limits
+        if size > per_file:
+            raise DownloadTooLargeError(
+                f"{what} is {size} bytes; files named like it are read whole by the host and "
+                f"may be at most {per_file} bytes"
+            )
+        self.parsed[group] = self.parsed.get(group, 0) + size
+        if total is not None and self.parsed[group] > total:
+            raise DownloadTooLargeError(
+                f"{what} is {size} bytes, which brings the download's {group} files to "
+                f"{self.parsed[group]}; the host reads them all whole, and at most {total} bytes"
             )
 
     def place(self, parts: tuple[str, ...], write: _Writer) -> None:
@@ -452,9 +487,7 @@ def _extract_member(state: _Extraction, member: tarfile.TarInfo, copy: Copy | No
         src_dir = os.dup(state.directory(source[:-1]))
         try:
             size = os.stat(source[-1], dir_fd=src_dir).st_size
-            limit = PARSED_FILE_LIMITS.get(parts[-1])
-            if limit is not None and size > limit:
-                state.charge(member.name, size)  # raises, naming the limit
+            state.charge_parsed(f"download member {member.name!r}", member.name, size)
             state.place(
                 parts,
                 lambda temp, parent: os.link(
@@ -490,16 +523,17 @@ def _drop_escaping_links(state: _Extraction) -> None:
             if path in made or path not in state.outside_before:
                 escaping.append(path)
             continue
-        limit = PARSED_FILE_LIMITS.get(posixpath.basename(path))
-        if limit is not None and stat.S_ISREG(resolved.st_mode) and resolved.st_size > limit:
-            # Removed even when an earlier download made it: the file it leads to may have
-            # been replaced by this one, which undoing this call cannot put back.
-            parts = tuple(path.split("/"))
-            os.unlink(parts[-1], dir_fd=state.directory(parts[:-1]))
-            raise DownloadTooLargeError(
-                f"download link {path!r} leads to a file of {resolved.st_size} bytes; files "
-                f"named like it are read whole by the host and may be at most {limit} bytes"
-            )
+        if stat.S_ISREG(resolved.st_mode):
+            try:
+                state.charge_parsed(
+                    f"download link {path!r} leads to a file that", path, resolved.st_size
+                )
+            except DownloadTooLargeError:
+                # Removed even when an earlier download made it: the file it leads to may
+                # have been replaced by this one, which undoing this call cannot put back.
+                parts = tuple(path.split("/"))
+                os.unlink(parts[-1], dir_fd=state.directory(parts[:-1]))
+                raise
     for path in escaping:
         parts = tuple(path.split("/"))
         parent = state.directory(parts[:-1])
