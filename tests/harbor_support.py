@@ -7,6 +7,7 @@ sandbox the way an adversarial or slow agent would.
 from __future__ import annotations
 
 import base64
+import os
 import shlex
 from collections import Counter
 from pathlib import Path
@@ -17,6 +18,7 @@ from harbor.agents.installed import strands as strands_agent
 from harbor.agents.installed.strands import Strands
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
+from host_support import unique_marker
 
 from backends.sandbox.local import LocalSandbox
 
@@ -134,10 +136,18 @@ class Snoops(_ShellAgent):
 
 
 class Sleeps(_ShellAgent):
-    """Sleeps for a long time under a marker, so a test can find its processes."""
+    """Sleeps for a long time under a marker, so a test can find its processes.
 
-    marker = "987654"
-    script = "nohup sleep 987654 >/dev/null 2>&1 & sleep 987654"
+    The marker is this test process's own (another suite on the host runs its own); a
+    process it starts that runs this agent is handed it in ``env()``.
+    """
+
+    marker = os.environ.get("SLEEPS_MARKER") or unique_marker()
+    script = f"nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}"
+
+    @classmethod
+    def env(cls) -> dict[str, str]:
+        return {"SLEEPS_MARKER": cls.marker}
 
 
 class Answers(_ShellAgent):
@@ -214,7 +224,6 @@ class OfflineStrands(Strands):
 
 async def kill_from_the_host(environment: BaseEnvironment) -> None:
     """SIGKILL the sandbox's pid 1 from the host, as an operator or a failing machine would."""
-    import os
     import signal
 
     found = await environment.exec("readlink /proc/self/ns/pid", user="root")
@@ -223,8 +232,6 @@ async def kill_from_the_host(environment: BaseEnvironment) -> None:
 
 def _init_of(namespace: str) -> int:
     """The host pid of the process that is pid 1 in the pid namespace ``namespace``."""
-    import os
-
     for entry in os.listdir("/proc"):
         try:
             if not entry.isdigit() or os.readlink(f"/proc/{entry}/ns/pid") != namespace:

@@ -7,9 +7,22 @@ that counts every `sleep N` on the host, or every sandbox in the cache, fails on
 from __future__ import annotations
 
 import os
+import subprocess
+import uuid
 
 from backends.sandbox import cgroups
 from backends.sandbox.settings import run_dir
+
+
+def unique_marker() -> str:
+    """A number for `sleep <marker>` that no other test or suite on the host runs."""
+    return str(10_000_000 + uuid.uuid4().int % 90_000_000)
+
+
+def marked(marker: str) -> list[str]:
+    """Pids of the processes running `sleep <marker>`."""
+    found = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
+    return found.stdout.split()
 
 
 def owned_by(pid: int) -> set[str]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -54,24 +55,38 @@ def completion(
 
 
 @contextlib.asynccontextmanager
-async def policy_server(reply: Reply) -> AsyncIterator[str]:
+async def fake_upstream(
+    *routes: web.AbstractRouteDef, ssl_context: ssl.SSLContext | None = None, **runner: Any
+) -> AsyncIterator[str]:
+    """Serve aiohttp ``routes`` on a free port of 127.0.0.1 (HTTPS with ``ssl_context``), as a
+    policy upstream; yield its base URL (``.../v1``). ``runner``: ``web.AppRunner`` options."""
+    app = web.Application()
+    app.add_routes(routes)
+    served = web.AppRunner(app, **{"shutdown_timeout": 0.1, **runner})
+    await served.setup()
+    await web.TCPSite(served, "127.0.0.1", 0, ssl_context=ssl_context).start()
+    port = served.addresses[0][1]
+    try:
+        yield f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}/v1"
+    finally:
+        await served.cleanup()
+
+
+def chat_upstream(
+    chat: Callable[[web.Request], Awaitable[web.StreamResponse]], **options: Any
+) -> contextlib.AbstractAsyncContextManager[str]:
+    """``fake_upstream`` answering ``POST /v1/chat/completions`` with ``chat``."""
+    return fake_upstream(web.post("/v1/chat/completions", chat), **options)
+
+
+def policy_server(reply: Reply) -> contextlib.AbstractAsyncContextManager[str]:
     """Serve ``POST /v1/chat/completions`` with ``reply``; yield the base URL (``.../v1``)."""
 
     async def chat(request: web.Request) -> web.Response:
         status, payload = reply(await request.json(), request.headers.get("Authorization", ""))
         return web.json_response(payload, status=status)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
+    return chat_upstream(chat)
 
 
 # What the workflow below saw: the URL and key its rollout context handed it.

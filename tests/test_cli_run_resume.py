@@ -6,13 +6,19 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_cli_run import BACKENDS, REPO, records, run_cli
+
+from backends.cli.relay_socket import remove_stale
+from backends.sandbox import owners
 
 # Behaviour picked by the row's prompt and the environment (never an input of the run).
 ENTRYPOINT = """
@@ -65,13 +71,22 @@ def summary(proc: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A TMPDIR of the test's own (the host's /tmp is shared), short enough for socket paths."""
+    folder = Path(tempfile.mkdtemp(prefix="tmpdir-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_run_killed_with_sigkill_resumes_with_only_its_unfinished_rollouts(
-    tmp_path: Path,
+    tmp_path: Path, short_tmpdir: Path
 ) -> None:
     data = dataset(tmp_path, ["ok", "ok", "ok", "slow", "slow", "ok"])
     run_dir = tmp_path / "run"
     cmd = [*BACKENDS, "run", entrypoint(tmp_path), *LOCAL, "-d", str(data), "-o", str(run_dir)]
     env = {**os.environ, "BACKENDS_HOME": str(tmp_path), "COLUMNS": "200"}
+    env["TMPDIR"] = str(short_tmpdir)
     proc = subprocess.Popen(
         cmd, cwd=REPO, env={**env, "TEST_SLOW": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -88,12 +103,15 @@ def test_a_run_killed_with_sigkill_resumes_with_only_its_unfinished_rollouts(
             proc.kill()
     before = records(run_dir)
     assert sorted(r["row"] for r in before) == [0, 1, 2, 5]
+    [socket_dir] = short_tmpdir.glob("backends-relay-*")  # the killed run could not remove it
     # As if the kill had landed in the middle of a write: a torn last line.
     with (run_dir / "results.jsonl").open("ab") as handle:
         handle.write(b'{"rollout_id": "torn')
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resuming run: 2 of 6 rollouts to run (4 kept)" in " ".join(done.stdout.split())
+    assert not socket_dir.exists()  # the next run removed the dead run's relay socket folder
+    assert list(short_tmpdir.iterdir()) == []  # and its own on the way out
     after = records(run_dir)  # every line parses: the torn one was cut off
     assert after[:4] == before  # the finished ones were kept as they were, not rerun
     rerun = after[4:]
@@ -111,6 +129,28 @@ def test_a_run_killed_with_sigkill_resumes_with_only_its_unfinished_rollouts(
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and summary(again)["ran"] == 0
     assert records(run_dir) == after
+
+
+def test_only_dead_runs_relay_socket_folders_are_removed(short_tmpdir: Path) -> None:
+    def folder(name: str, owner: str | None) -> Path:
+        path = short_tmpdir / name
+        path.mkdir()
+        if owner is not None:
+            (path / "owner-host").write_text(owners.host_identity() + "\n")
+            (path / "owner").write_text(owner)
+        return path
+
+    dead = folder("backends-relay-dead", "999999999 1\n")  # no such pid
+    live = folder("backends-relay-live", None)
+    owners.write(live)  # this process
+    unrecorded = folder("backends-relay-new", None)  # being made, or an older version's
+    others = folder("backends-relay-others", "999999999 1\n")
+    os.chown(others, 12345, 12345)  # another user's
+    target = folder("not-ours", "999999999 1\n")
+    (short_tmpdir / "backends-relay-link").symlink_to(target)
+    assert remove_stale(short_tmpdir) == [dead]
+    assert not dead.exists() and live.exists() and unrecorded.exists() and others.exists()
+    assert (target / "owner").exists()
 
 
 def test_a_signal_then_a_rerun_finishes_the_cancelled_rollouts(tmp_path: Path) -> None:

@@ -28,8 +28,9 @@ from harbor.models.trial.paths import TrialPaths
 
 from backends.bundle.warm import open_paths
 from backends.sandbox.errors import SandboxNotRunningError
-from backends.sandbox.forkserver import ForkServers, ForkServerUnavailable
+from backends.sandbox.forkserver import ForkServers, ForkServerUnavailable, owner_uid
 from backends.sandbox.local import LocalSandbox
+from backends.sandbox.settings import UID_COUNT, sandbox_uid_ranges, uid_lock_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.anyio, pytest.mark.timeout(600)]
 
@@ -306,6 +307,37 @@ async def test_stopping_a_trial_ends_its_forked_command(
         for fd in pidfds:
             os.close(fd)
     assert alive(server_pid(servers))
+
+
+def _leased_elsewhere(uid: int) -> bool:
+    """Is the uid range whose root is `uid` leased, as another process sees it?"""
+    base, _ = sandbox_uid_ranges()
+    lock = uid_lock_dir() / f"{(uid - base) // UID_COUNT}.lock"
+    code = "import fcntl, os, sys; fcntl.flock(os.open(sys.argv[1], os.O_RDWR), 6)"  # EX|NB
+    return subprocess.run([sys.executable, "-c", code, str(lock)]).returncode != 0
+
+
+async def test_a_servers_uid_range_is_leased_to_no_one_else_while_it_runs(
+    servers: ForkServers, trials: list[LocalSandbox], probes: Path, tmp_path: Path
+) -> None:
+    """The server runs as its range's root, which may enter any sandbox of the range: once
+    the trial it served stopped, the range went back to the host while the server ran on."""
+    mine = trials[0]
+    await mine.exec_forked(servers, [PYTHON, "-m", "sleeper", "0"], env=ENV, user="root")
+    (server,) = servers.servers()
+    await mine.stop(delete=True)
+    assert alive(server.proc.pid) and _leased_elsewhere(server.uid)
+    # This process's next sandbox gets that range, and the same server serves it.
+    again = _sandbox(tmp_path, "again", probes)
+    await again.start(force_build=False)
+    try:
+        assert owner_uid(again.sandbox.init_pidfd) == server.uid
+        done = await again.exec_forked(servers, [PYTHON, "-m", "sleeper", "0"], env=ENV)
+        assert done.stdout.split() == ["started", "done"] and servers.servers() == [server]
+    finally:
+        await again.stop(delete=True)
+    servers.close()
+    assert not _leased_elsewhere(server.uid)
 
 
 async def test_a_server_that_cannot_start_says_why_and_nothing_ran(

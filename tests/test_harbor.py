@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -24,12 +25,12 @@ from harbor_support import (
     SwapsReward,
     write_task,
 )
+from host_support import marked, owned_by, running_sandboxes
 
 from backends import AgentWorkflow, HarborBackend, RolloutRequest, RolloutStatus, collect
 from backends.harbor import dataset_requests, discover_tasks
 from backends.harbor.backend import build_environment_config
 from backends.harbor.tasks import dataset_rows
-from backends.sandbox import cgroups
 from backends.sandbox.settings import run_dir
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.anyio]
@@ -278,28 +279,13 @@ def test_dataset_rows_feed_backends_run(tmp_path: Path) -> None:
 
 
 def leftovers() -> dict[str, list[str]]:
-    """This process's sandboxes that still hold a mount or a process.
-
-    Prepared but unused pool entries hold neither; other processes' sandboxes (tests running
-    beside these) are not ours to judge.
-    """
-    ours = set()
-    for folder in run_dir().iterdir() if run_dir().is_dir() else []:
-        try:
-            if (folder / "owner").read_text().split()[0] == str(os.getpid()):
-                ours.add(folder.name)
-        except (OSError, IndexError):
-            continue
+    """This process's sandboxes that still hold a mount or a process (other processes'
+    sandboxes, of tests running beside these, are not ours to judge)."""
+    ours = owned_by(os.getpid())
     with open("/proc/self/mountinfo") as mounts:
         points = [line.split()[4] for line in mounts]
     mounted = [p for p in points if any(p.startswith(f"{run_dir()}/{n}") for n in ours)]
-    busy = [n for n in ours if cgroups.SandboxCgroup(n).members()]
-    return {"mounts": mounted, "cgroups": busy}
-
-
-def sandbox_processes(marker: str) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
-    return found.stdout.split()
+    return {"mounts": mounted, "cgroups": running_sandboxes()}
 
 
 async def test_cancel_tears_the_sandbox_down(tmp_path: Path) -> None:
@@ -313,14 +299,14 @@ async def test_cancel_tears_the_sandbox_down(tmp_path: Path) -> None:
     async with anyio.create_task_group() as group:
         group.start_soon(run)
         with anyio.fail_after(30):
-            while len(sandbox_processes(Sleeps.marker)) < 2:
+            while len(marked(Sleeps.marker)) < 2:
                 await anyio.sleep(0.05)
         running = leftovers()
         assert running["cgroups"]  # the check sees a live sandbox (its mounts are its own)
         assert b.cancel(["sleepy"]) == {"sleepy": "cancelled_running"}
     [result] = results
     assert result.status is RolloutStatus.CANCELLED
-    assert sandbox_processes(Sleeps.marker) == []
+    assert marked(Sleeps.marker) == []
     after = leftovers()
     assert not set(after["cgroups"]) - set(before["cgroups"]), after
     assert not set(after["mounts"]) - set(before["mounts"]), after
@@ -390,14 +376,30 @@ async def test_aclose_stops_every_trial_before_returning(tmp_path: Path) -> None
     async with anyio.create_task_group() as group:
         group.start_soon(run)
         with anyio.fail_after(60):
-            while len(sandbox_processes(Sleeps.marker)) < 6:
+            while len(marked(Sleeps.marker)) < 6:
                 await anyio.sleep(0.05)
         await b.aclose()
         # Returned only once both sandboxes were gone.
-        assert sandbox_processes(Sleeps.marker) == []
+        assert marked(Sleeps.marker) == []
         after = leftovers()
         assert not set(after["cgroups"]) - set(before["cgroups"]), after
     assert sorted(r.status for r in results) == [RolloutStatus.CANCELLED] * 2
+
+
+def test_another_suite_on_the_host_sleeps_under_a_marker_of_its_own() -> None:
+    """The tests above count the marked sleeps on the whole host: a suite running beside this
+    one (its own process) must not run the same, and a process this one starts must."""
+    code = "from harbor_support import Sleeps; print(Sleeps.marker)"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    env.pop("SLEEPS_MARKER", None)
+
+    def marker_of(env: dict[str, str]) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert marker_of(env) != Sleeps.marker
+    assert marker_of({**env, **Sleeps.env()}) == Sleeps.marker
 
 
 async def test_timeouts_follow_harbors_semantics(tmp_path: Path) -> None:

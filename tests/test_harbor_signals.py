@@ -7,14 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+from host_support import marked, owned_by, running_sandboxes, unique_marker
 
 from backends import HarborBackend
-from backends.sandbox import cgroups
-from backends.sandbox.settings import run_dir
 
 pytestmark = pytest.mark.sandbox
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,26 +34,9 @@ backend = HarborBackend(
 """
 
 
-def marked(marker: str) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
-    return found.stdout.split()
-
-
-def owned_by(pid: int) -> set[str]:
-    """Names of the sandboxes (and pool entries) whose owner record names process ``pid``."""
-    names = set()
-    for folder in run_dir().iterdir() if run_dir().is_dir() else []:
-        try:
-            if (folder / "owner").read_text().split()[0] == str(pid):
-                names.add(folder.name)
-        except (OSError, IndexError):
-            continue
-    return names
-
-
 def start_batch(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`backends run` over two tasks whose agent sleeps; returns once both sandboxes run."""
-    marker = str(41_000_000 + uuid.uuid4().int % 1_000_000)
+    marker = unique_marker()
     (tmp_path / "main.py").write_text(
         MAIN.format(
             marker=marker,
@@ -80,7 +61,7 @@ def start_batch(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
             proc.kill()
             raise AssertionError(f"the sandboxes never started: {proc.communicate()[0]!r}")
         time.sleep(0.2)
-    busy = [n for n in owned_by(proc.pid) if cgroups.SandboxCgroup(n).members()]
+    busy = running_sandboxes(proc.pid)
     assert len(busy) == 2, busy  # the checks below see both live sandboxes
     return proc, marker
 
@@ -98,7 +79,7 @@ def test_interrupted_batch_leaves_no_sandbox(tmp_path: Path, signum: signal.Sign
     assert b"2 cancelled" in output, output.decode()
     assert marked(marker) == []
     left = owned_by(proc.pid)
-    assert not [n for n in left if cgroups.SandboxCgroup(n).members()]
+    assert not running_sandboxes(proc.pid)
     assert left == set(), f"sandbox state of the interrupted run is left: {left}"
 
 

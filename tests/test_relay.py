@@ -13,6 +13,7 @@ import anyio
 import openai
 import pytest
 from aiohttp import web
+from policy_support import chat_upstream, fake_upstream
 
 from backends.relay import CallError, Relay, RelaySettings, UnknownRolloutError
 from backends.relay.scripted import ScriptedPolicy
@@ -116,19 +117,9 @@ class Upstream:
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
     state = Upstream()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.chat)
-    app.router.add_get("/v1/models", state.models)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    state.url = f"http://127.0.0.1:{port}/v1"
-    try:
+    routes = web.post("/v1/chat/completions", state.chat), web.get("/v1/models", state.models)
+    async with fake_upstream(*routes) as state.url:
         yield state
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture
@@ -526,15 +517,7 @@ async def test_https_upstream_is_verified(tmp_path: Any) -> None:
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, key)
     state = Upstream()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"https://127.0.0.1:{port}/v1"
-    try:
+    async with chat_upstream(state.chat, ssl_context=server_tls) as url:
         trusted = RelaySettings(upstream_ca_file=str(cert))
         for settings, expected in ((RelaySettings(), "untrusted"), (trusted, "42")):
             async with Relay(upstream_url=url, upstream_api_key=KEY, settings=settings) as relay:
@@ -553,32 +536,22 @@ async def test_https_upstream_is_verified(tmp_path: Any) -> None:
                 trace = relay.end("r1")
                 if expected == "untrusted":
                     assert "CERTIFICATE_VERIFY_FAILED" in (trace.calls[0].error_message or "")
-    finally:
-        await runner.cleanup()
     assert state.headers[0]["Authorization"] == f"Bearer {KEY}"
 
 
 async def test_pooled_connections_the_upstream_closed_are_not_a_failure() -> None:
-    state = Upstream()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1, keepalive_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with Relay(upstream_url=f"http://127.0.0.1:{port}/v1") as relay:
-            grant = relay.register("r1")
-            client = openai.AsyncOpenAI(base_url=grant.base_url, api_key=grant.token, max_retries=0)
-            for _ in range(3):
-                reply = await client.chat.completions.create(model="m", messages=PROMPT)
-                assert reply.choices[0].message.content == "42"
-                await anyio.sleep(0.3)  # the upstream drops the idle connection meanwhile
-            await client.close()
-            assert [c.attempts for c in relay.end("r1").calls] == [1, 1, 1]
-    finally:
-        await runner.cleanup()
+    async with (
+        chat_upstream(Upstream().chat, keepalive_timeout=0.1) as url,
+        Relay(upstream_url=url) as relay,
+    ):
+        grant = relay.register("r1")
+        client = openai.AsyncOpenAI(base_url=grant.base_url, api_key=grant.token, max_retries=0)
+        for _ in range(3):
+            reply = await client.chat.completions.create(model="m", messages=PROMPT)
+            assert reply.choices[0].message.content == "42"
+            await anyio.sleep(0.3)  # the upstream drops the idle connection meanwhile
+        await client.close()
+        assert [c.attempts for c in relay.end("r1").calls] == [1, 1, 1]
 
 
 async def test_a_request_on_a_connection_the_upstream_just_dropped_is_resent() -> None:
@@ -638,27 +611,20 @@ async def test_an_upstream_echoing_its_key_inside_a_200_answer_is_scrubbed() -> 
         await response.write(f'{KEY[half:]} rejected"}}}}\n\n'.encode())
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with Relay(upstream_url=f"http://127.0.0.1:{port}/v1", upstream_api_key=KEY) as relay:
-            grant = relay.register("r1")
-            seen = []
-            async with aiohttp.ClientSession() as http:
-                url = grant.base_url + "/chat/completions"
-                headers = {"authorization": f"Bearer {grant.token}"}
-                for stream in (False, True):
-                    body = {"messages": PROMPT, "stream": stream}
-                    async with http.post(url, json=body, headers=headers) as r:
-                        seen.append(await r.text())
-            relay.end("r1")
-    finally:
-        await runner.cleanup()
+    async with (
+        chat_upstream(chat) as upstream_url,
+        Relay(upstream_url=upstream_url, upstream_api_key=KEY) as relay,
+    ):
+        grant = relay.register("r1")
+        seen = []
+        async with aiohttp.ClientSession() as http:
+            url = grant.base_url + "/chat/completions"
+            headers = {"authorization": f"Bearer {grant.token}"}
+            for stream in (False, True):
+                body = {"messages": PROMPT, "stream": stream}
+                async with http.post(url, json=body, headers=headers) as r:
+                    seen.append(await r.text())
+        relay.end("r1")
     assert all("***" in text and KEY not in text for text in seen), seen
 
 

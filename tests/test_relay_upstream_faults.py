@@ -19,7 +19,7 @@ from aiohttp import web
 
 from backends.relay import CallError, Relay, RelaySettings
 from backends.relay.upstream import Upstream
-from tests.policy_support import completion, policy_server
+from tests.policy_support import chat_upstream, completion, policy_server
 
 pytestmark = pytest.mark.anyio
 
@@ -146,36 +146,26 @@ async def test_an_sdk_retry_is_not_folded_into_a_concurrent_call_that_succeeded(
             b_answered.set()
         return web.json_response(reply | {"id": f"resp-{me}"})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     body = {"model": "m", "messages": MESSAGES, "temperature": 1.0}
-    try:
-        async with Relay(upstream_url=f"http://127.0.0.1:{port}/v1") as relay:
-            grant = relay.register("r1")
+    async with chat_upstream(chat) as url, Relay(upstream_url=url) as relay:
+        grant = relay.register("r1")
 
-            async def call(retry: int) -> dict[str, Any]:
-                status, text = await post(
-                    grant.base_url, grant.token, body, **{"x-stainless-retry-count": str(retry)}
-                )
-                return {"status": status} | json.loads(text)
+        async def call(retry: int) -> dict[str, Any]:
+            status, text = await post(
+                grant.base_url, grant.token, body, **{"x-stainless-retry-count": str(retry)}
+            )
+            return {"status": status} | json.loads(text)
 
-            async def sample_b() -> dict[str, Any]:
-                while arrived < 1:  # A's first attempt is at the upstream
-                    await asyncio.sleep(0.005)
-                return await call(0)
+        async def sample_b() -> dict[str, Any]:
+            while arrived < 1:  # A's first attempt is at the upstream
+                await asyncio.sleep(0.005)
+            return await call(0)
 
-            b_task = asyncio.create_task(sample_b())
-            first = await call(0)
-            b = await b_task
-            a = await call(1)  # the SDK's retry of A, after B's call has finished
-            trace = relay.end("r1")
-    finally:
-        await runner.cleanup()
+        b_task = asyncio.create_task(sample_b())
+        first = await call(0)
+        b = await b_task
+        a = await call(1)  # the SDK's retry of A, after B's call has finished
+        trace = relay.end("r1")
     assert first["status"] == 503 and (a["id"], b["id"]) == ("resp-3", "resp-2")
     recorded = {(c.response or {}).get("id", ""): c for c in trace.calls}
     assert sorted(recorded) == ["resp-2", "resp-3"]  # both completions the agent used

@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
+from policy_support import chat_upstream
 from pydantic import TypeAdapter
 
 from backends.relay import Relay, RelaySettings
@@ -556,17 +557,8 @@ async def odd_upstream() -> AsyncIterator[str]:
         request.transport.abort()  # the server dies mid-answer
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
+    async with chat_upstream(chat) as url:
+        yield url
 
 
 async def test_the_upstream_key_never_reaches_the_agent_in_a_translated_error(
@@ -755,17 +747,8 @@ async def vllm_like() -> AsyncIterator[str]:
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
+    async with chat_upstream(chat) as url:
+        yield url
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

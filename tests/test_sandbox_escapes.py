@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from harbor.environments.base import BaseEnvironment
+from host_support import marked, unique_marker
 
 from backends.sandbox.contract import PROVIDERS
 from backends.sandbox.errors import SandboxPathError, SandboxStartError
@@ -446,7 +447,7 @@ async def main():
     await env.start(force_build=False)
     await env.upload_file(tmp / "hijack.py", "/hijack.py")
     res = await env.exec("python3 /hijack.py /bin/sleep 4242;"
-                         " (setsid nohup sleep 4343 >/dev/null 2>&1 &); sleep 0.5")
+                         f" (setsid nohup sleep {sys.argv[3]} >/dev/null 2>&1 &); sleep 0.5")
     print(env._box._booted.init_pid, res.stdout.strip().replace("\n", " "), res.stderr.strip().replace("\n", " "), flush=True)
     await anyio.sleep(1000)
 anyio.run(main)
@@ -464,8 +465,11 @@ def test_root_inside_can_neither_seize_pid_1_nor_outlive_the_owner(tmp_path: Pat
 
     shutil.copy(HIJACK, tmp_path / "hijack.py")
     repo = str(Path(__file__).resolve().parents[1])
+    marker = unique_marker()  # the daemon's: no other suite on the host runs it
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER, repo, str(tmp_path), marker],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert owner.stdout is not None
     try:
@@ -482,7 +486,7 @@ def test_root_inside_can_neither_seize_pid_1_nor_outlive_the_owner(tmp_path: Pat
     if survived:  # do not leave it to the other tests
         os.kill(init_pid, signal.SIGKILL)
     assert not survived, "the sandbox outlived its owner"
-    assert not _cmdline_running("sleep 4343"), "a daemon outlived its owner"
+    assert not marked(marker), "a daemon outlived its owner"
 
 
 def _alive(pid: int) -> bool:
@@ -491,18 +495,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def _cmdline_running(text: str) -> bool:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().replace(b"\0", b" ").strip() == text.encode():
-                        return True
-            except OSError:
-                pass
-    return False
 
 
 # -- per-sandbox host uids -------------------------------------------------------------------

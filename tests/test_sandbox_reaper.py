@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from harbor_support import Sleeps
+from host_support import marked
 from sky_support import create_calls, fake_sky_server, inject_create_faults
 
 from backends import HarborBackend
@@ -49,10 +50,7 @@ def fake_sky() -> Iterator[dict[str, str]]:
 
 
 def _sleepers() -> int:
-    found = subprocess.run(
-        ["pgrep", "-f", f"sleep {Sleeps.marker}"], capture_output=True, text=True
-    )
-    return len(found.stdout.split())
+    return len(marked(Sleeps.marker))
 
 
 def _cli(*args: str, env: dict[str, str]) -> str:
@@ -79,7 +77,8 @@ def _kill_mid_batch(
     )
     path = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     owner = subprocess.Popen(
-        [sys.executable, "-c", script], env={**os.environ, **env, "PYTHONPATH": path}
+        [sys.executable, "-c", script],
+        env={**os.environ, **env, **Sleeps.env(), "PYTHONPATH": path},
     )
     try:
         deadline = time.monotonic() + 120

@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+from host_support import marked, owned_by, unique_marker
 from server_support import free_port, rollout_body
 
 from backends.sandbox import cgroups
@@ -54,23 +54,6 @@ backend = LocalBackend(workflow=HoldsASandbox, artifacts_root=None)
 """
 
 
-def marked(marker: str) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
-    return found.stdout.split()
-
-
-def owned_by(pid: int) -> set[str]:
-    """Names of the sandboxes whose owner record names process ``pid``."""
-    names = set()
-    for folder in run_dir().iterdir():
-        try:
-            if (folder / "owner").read_text().split()[0] == str(pid):
-                names.add(folder.name)
-        except (OSError, IndexError):
-            continue
-    return names
-
-
 def start_server(tmp_path: Path, state: Path, port: int) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable, "-m", "backends.server", str(tmp_path / "main.py") + ":backend",
@@ -91,7 +74,7 @@ def start_server(tmp_path: Path, state: Path, port: int) -> subprocess.Popen[byt
 
 
 def test_kill_9_leaves_no_sandbox_running(tmp_path: Path) -> None:
-    marker = str(31_000_000 + uuid.uuid4().int % 1_000_000)  # a sleep nobody else runs
+    marker = unique_marker()
     (tmp_path / "main.py").write_text(MAIN.format(scratch=str(tmp_path / "s"), marker=marker))
     state = tmp_path / "state.sqlite3"
     port = free_port()

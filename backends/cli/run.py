@@ -17,7 +17,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -33,6 +32,7 @@ from rich.table import Table
 
 from backends.cli.metrics import compute_metrics
 from backends.cli.progress import ProgressDisplay, Tally
+from backends.cli.relay_socket import socket_dir
 from backends.cli.results import ResultsFile, ResultsFileError, Try, record_of, save_result
 from backends.cli.resume import OpenRun, RunDirError, open_run, redacted_argv, retry_selectors
 from backends.cli.runfiles import (
@@ -489,7 +489,7 @@ async def _run(
     )
     async with (
         _policy(policy) as base_url,
-        _socket_dir() as sockets,
+        socket_dir() as sockets,
         Relay(
             upstream_url=base_url,
             upstream_api_key=policy.key,
@@ -645,13 +645,6 @@ def _cancelled(rollout_id: str, reason: str) -> RolloutResult:
         category=ErrorCategory.CANCELLED, phase=Phase.AGENT, message=f"rollout cancelled: {reason}"
     )
     return RolloutResult.failed(rollout_id, failure)
-
-
-@asynccontextmanager
-async def _socket_dir() -> AsyncIterator[Path]:
-    # Short and private: a Unix socket path has a 108-byte limit, run directories can be long.
-    with tempfile.TemporaryDirectory(prefix="backends-relay-") as folder:
-        yield Path(folder)
 
 
 @asynccontextmanager

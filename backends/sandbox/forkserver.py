@@ -39,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from backends.sandbox import launcher, seccomp
+from backends.sandbox import launcher, seccomp, uids
 from backends.sandbox.cgroups import Join
 from backends.sandbox.namespaces import open_namespaces, owner_uid
 from backends.sandbox.pidfds import has_exited
@@ -62,13 +62,16 @@ class ForkServerUnavailable(Exception):
 class ForkServer:
     """One fork server process, serving the sandboxes whose root is host uid `uid`."""
 
-    def __init__(self, proc: launcher.SandboxProcess, sock: socket.socket, uid: int) -> None:
+    def __init__(
+        self, proc: launcher.SandboxProcess, sock: socket.socket, uid: int, kept: uids.Keep
+    ) -> None:
         self.proc = proc
         self.sock = sock
         self.sock.setblocking(False)
         self.uid = uid
         self.dead = False
         self._lock = anyio.Lock()
+        self._kept = kept  # its uid range: leased to nobody else while it runs
 
     @classmethod
     async def start(
@@ -90,6 +93,29 @@ class ForkServer:
         host_pidfd = host.init_pidfd
         if host_pidfd < 0:
             raise ForkServerUnavailable("the fork servers' host sandbox is not running")
+        # Running as the range's root, the server may enter any sandbox of the range: no
+        # other process may lease it until the server is gone.
+        kept = uids.keep(uid)
+        if kept is None:
+            raise ForkServerUnavailable(f"uid {uid} is not the root of a range this process leases")
+        try:
+            return await cls._start(host, host_pidfd, kept, uid, python, cwd, env, preload)
+        except BaseException:
+            kept.release()
+            raise
+
+    @classmethod
+    async def _start(
+        cls,
+        host: BwrapSandbox,
+        host_pidfd: int,
+        kept: uids.Keep,
+        uid: int,
+        python: str,
+        cwd: str,
+        env: dict[str, str],
+        preload: tuple[str, list[Any]] | None,
+    ) -> ForkServer:
         group = f"fork-server-{uid}"
         host.cgroup.new_exec_group(group)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -126,7 +152,7 @@ class ForkServer:
         finally:
             theirs.close()
             os.close(null)
-        server = cls(proc, ours, uid)
+        server = cls(proc, ours, uid, kept)
         try:
             with anyio.fail_after(START_TIMEOUT_SEC):
                 reply = await server._recv()
@@ -281,6 +307,7 @@ class ForkServer:
         self.dead = True
         self.proc.kill()
         self.sock.close()
+        self._kept.release()
 
 
 class ForkedProcess(launcher.SandboxProcess):

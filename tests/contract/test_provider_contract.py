@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from host_support import unique_marker
 
 from backends.sandbox.contract import Provider
 from backends.sandbox.errors import ExecTimeoutError, SandboxNotRunningError, SandboxPathError
@@ -137,23 +138,24 @@ async def test_timeout_kills_tree(provider: Provider, tmp_path: Path) -> None:
 async def test_stop_kills_daemons_and_leaves_nothing(provider: Provider, tmp_path: Path) -> None:
     env = provider.make(tmp_path)
     await env.start(force_build=False)
-    res = await env.exec("setsid nohup sleep 4242 >/dev/null 2>&1 & echo started")
+    daemon = f"sleep {unique_marker()}"  # no other suite on the host runs it
+    res = await env.exec(f"setsid nohup {daemon} >/dev/null 2>&1 & echo started")
     assert res.stdout == "started\n"
     deadline = time.monotonic() + 5  # the daemon may still be exec'ing when echo returns
     if not provider.local_internals:
-        while not _host_processes("sleep 4242"):
+        while not _host_processes(daemon):
             assert time.monotonic() < deadline, "the daemon never started"
             await anyio.sleep(0.01)
         await env.stop(delete=True)
         await env.stop(delete=True)  # idempotent
-        assert not _host_processes("sleep 4242")
+        assert not _host_processes(daemon)
         return
     box = env._box  # type: ignore[attr-defined]
-    while not any(_cmdline(p) == "sleep 4242" for p in box.cgroup.members()):
+    while not any(_cmdline(p) == daemon for p in box.cgroup.members()):
         assert time.monotonic() < deadline, "the daemon is not in the sandbox's cgroup"
         await anyio.sleep(0.01)
     await env.stop(delete=True)
-    assert not _host_processes("sleep 4242")
+    assert not _host_processes(daemon)
     assert not _leftovers(box)
 
 
@@ -334,6 +336,7 @@ async def _swallow(aw) -> None:
 
 def test_no_leak_when_owner_dies(provider: Provider, tmp_path: Path) -> None:
     _needs_local_internals(provider)
+    daemon = f"sleep {unique_marker()}"  # no other suite on the host runs it
     script = f"""
 import anyio, sys
 sys.path.insert(0, {str(Path(__file__).parents[2])!r})
@@ -343,7 +346,7 @@ p = [p for p in PROVIDERS if p.name == {provider.name!r}][0]
 async def main():
     env = p.make(Path({str(tmp_path)!r}), storage_mb=64)  # with a disk image to detach too
     await env.start(force_build=False)
-    await env.exec("setsid nohup sleep 4343 >/dev/null 2>&1 &")
+    await env.exec("setsid nohup {daemon} >/dev/null 2>&1 &")
     print(env._box.name, flush=True)
     await anyio.sleep(1000)
 anyio.run(main)
@@ -353,15 +356,15 @@ anyio.run(main)
     name = owner.stdout.readline().strip()
     assert name
     deadline = time.monotonic() + 5  # the daemon may still be exec'ing
-    while not _host_processes("sleep 4343"):
+    while not _host_processes(daemon):
         assert time.monotonic() < deadline, "the daemon never started"
         time.sleep(0.01)
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
     deadline = time.monotonic() + 5
-    while _host_processes("sleep 4343") and time.monotonic() < deadline:
+    while _host_processes(daemon) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _host_processes("sleep 4343"), "a daemon outlived its sandbox's owner"
+    assert not _host_processes(daemon), "a daemon outlived its sandbox's owner"
     assert not _disk_attached(name), "the sandbox's disk image is still attached"
     from backends.sandbox.runtime import reap_orphans
     from backends.sandbox.settings import run_dir

@@ -20,7 +20,7 @@ from typing import Any
 
 from backends.relay.wire.chat import (
     Answer,
-    ChatStream,
+    Piece,
     WireError,
     chat_usage,
     need_dict,
@@ -31,6 +31,7 @@ from backends.relay.wire.chat import (
     sse_objects,
     usage_counts,
 )
+from backends.relay.wire.translated import TranslatedStream
 
 NAME = "messages"
 PATH = "/messages"
@@ -117,46 +118,33 @@ class Translation:
         return reason, None
 
 
-class MessagesStream:
+class MessagesStream(TranslatedStream[Translation]):
     """Chat-completions SSE in, the Messages event stream out (``feed`` ... ``finish``)."""
 
     def __init__(self, translation: Translation) -> None:
-        self._t = translation
-        self._chat = ChatStream()
-        self._started = False
+        super().__init__(translation)
         self._blocks = 0
         self._open: str | None = None  # "text" | "thinking": the block being streamed
 
-    def feed(self, data: bytes) -> bytes:
-        if self._chat.error is not None:
-            return b""
-        pieces = self._chat.feed(data)
-        out = self._start()  # after the first chunk: it names the model
-        for piece in pieces:
-            kind = "text" if piece.kind == "text" else "thinking"
-            if self._open != kind:
-                out += self._close_open()
-                start = {"type": "text", "text": ""}
-                if kind == "thinking":
-                    start = {"type": "thinking", "thinking": "", "signature": ""}
-                out += self._block_start(start)
-                self._open = kind
-            delta = (
-                {"type": "text_delta", "text": piece.text}
-                if kind == "text"
-                else {"type": "thinking_delta", "thinking": piece.text}
-            )
-            out += _event("content_block_delta", index=self._blocks - 1, delta=delta)
-        if self._chat.error is not None:
-            out += stream_error(self._chat.error, "upstream_error")
-        return out
+    def _piece(self, piece: Piece) -> bytes:
+        out = b""
+        kind = "text" if piece.kind == "text" else "thinking"
+        if self._open != kind:
+            out += self._close_open()
+            start = {"type": "text", "text": ""}
+            if kind == "thinking":
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+            out += self._block_start(start)
+            self._open = kind
+        delta = (
+            {"type": "text_delta", "text": piece.text}
+            if kind == "text"
+            else {"type": "thinking_delta", "thinking": piece.text}
+        )
+        return out + _event("content_block_delta", index=self._blocks - 1, delta=delta)
 
-    def finish(self) -> bytes:
-        out = self._start()
-        if self._chat.error is not None:
-            return out
-        answer = self._chat.close()
-        out += self._close_open()
+    def _end(self, answer: Answer) -> bytes:
+        out = self._close_open()
         for call in answer.tool_calls:
             block = _tool_use(call.id, call.name, call.arguments)
             out += self._block_start({**block, "input": {}})
@@ -175,13 +163,10 @@ class MessagesStream:
         )
         return out + _event("message_stop")
 
-    def fail(self, message: str, code: str) -> bytes:
-        return self._start() + stream_error(message, code)
+    def _error(self, message: str, code: str) -> bytes:
+        return stream_error(message, code)
 
-    def _start(self) -> bytes:
-        if self._started:
-            return b""
-        self._started = True
+    def _opening(self) -> bytes:
         message: dict[str, Any] = {
             "id": _message_id(),
             "type": "message",

@@ -24,7 +24,7 @@ from typing import Any
 from backends.relay.upstream import error_body as _openai_error
 from backends.relay.wire.chat import (
     Answer,
-    ChatStream,
+    Piece,
     WireError,
     chat_usage,
     need_dict,
@@ -34,6 +34,7 @@ from backends.relay.wire.chat import (
     sse_objects,
     usage_counts,
 )
+from backends.relay.wire.translated import TranslatedStream
 
 NAME = "responses"
 PATH = "/responses"
@@ -227,63 +228,49 @@ class Translation:
         return body
 
 
-class ResponsesStream:
+class ResponsesStream(TranslatedStream[Translation]):
     """Chat-completions SSE in, the Responses event stream out (``feed`` ... ``finish``)."""
 
     def __init__(self, translation: Translation) -> None:
-        self._t = translation
-        self._chat = ChatStream()
+        super().__init__(translation)
         self._ids = _Ids()
         self._seq = 0
-        self._started = False
         self._output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item being streamed
 
-    def feed(self, data: bytes) -> bytes:
-        if self._chat.error is not None:
-            return b""
-        pieces = self._chat.feed(data)
-        out = self._start()  # after the first chunk: it names the model
-        for piece in pieces:
-            kind = "message" if piece.kind == "text" else "reasoning"
-            if self._open is None or self._open["type"] != kind:
-                out += self._close_open()
-                out += self._open_item(kind)
-            item = self._open
-            assert item is not None
-            index = len(self._output)
-            if kind == "message":
-                part = item["content"][0]
-                part["text"] += piece.text
-                logprobs = self._t._logprobs(piece.logprobs)
-                part["logprobs"] += logprobs
-                out += self._event(
-                    "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    delta=piece.text,
-                    logprobs=logprobs,
-                )
-            else:
-                item["content"][0]["text"] += piece.text
-                out += self._event(
-                    "response.reasoning_text.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    delta=piece.text,
-                )
-        if self._chat.error is not None:
-            out += self._failed(self._chat.error, "upstream_error")
-        return out
+    def _piece(self, piece: Piece) -> bytes:
+        out = b""
+        kind = "message" if piece.kind == "text" else "reasoning"
+        if self._open is None or self._open["type"] != kind:
+            out += self._close_open()
+            out += self._open_item(kind)
+        item = self._open
+        assert item is not None
+        index = len(self._output)
+        if kind == "message":
+            part = item["content"][0]
+            part["text"] += piece.text
+            logprobs = self._t._logprobs(piece.logprobs)
+            part["logprobs"] += logprobs
+            return out + self._event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=piece.text,
+                logprobs=logprobs,
+            )
+        item["content"][0]["text"] += piece.text
+        return out + self._event(
+            "response.reasoning_text.delta",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            delta=piece.text,
+        )
 
-    def finish(self) -> bytes:
-        """The closing events once the upstream stream ended."""
-        out = self._start()
-        if self._chat.error is not None:
-            return out
-        answer = self._chat.close()
+    def _end(self, answer: Answer) -> bytes:
+        out = b""
         if not answer.has_text and not answer.tool_calls and self._open is None:
             out += self._open_item("message")  # an empty answer is still one message item
         out += self._close_open()
@@ -310,20 +297,13 @@ class ResponsesStream:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + self._event(kind, response=response)
 
-    def fail(self, message: str, code: str) -> bytes:
-        """Events that end the stream with an error (the upstream broke mid-way)."""
-        return self._start() + self._failed(message, code)
-
-    def _failed(self, message: str, code: str) -> bytes:
+    def _error(self, message: str, code: str) -> bytes:
         out = self._event("error", code=code, message=message, param=None)
         response = self._t._response(self._ids.response, None, self._output, "failed")
         response["error"] = {"code": "server_error", "message": message}
         return out + self._event("response.failed", response=response)
 
-    def _start(self) -> bytes:
-        if self._started:
-            return b""
-        self._started = True
+    def _opening(self) -> bytes:
         response = self._t._response(self._ids.response, None, [], "in_progress")
         response["model"] = self._chat.answer.model or response["model"]
         return self._event("response.created", response=response) + self._event(
