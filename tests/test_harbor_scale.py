@@ -45,7 +45,11 @@ async def test_many_rollouts_leave_nothing_behind(
     monkeypatch.setenv("BACKENDS_HOME", str(tmp_path))
     engine = sim.configure(
         sim.LatencyModel(
-            create_sec=0.05, exec_sec=0.005, transfer_sec=0.002, create_failure_rate=0.1
+            create_sec=0.05,
+            exec_sec=0.005,
+            transfer_sec=0.002,
+            create_failure_rate=0.1,
+            failing_first_creates=1,  # batched, 80 creates may be a few calls: one fails
         )
     )
     backend = HarborBackend(

@@ -115,8 +115,9 @@ async def test_different_specs_never_share_a_batch(tmp_path: Path, faults: None)
 
 
 async def test_creators_cancelled_before_and_during_the_call_leak_nothing(
-    tmp_path: Path, faults: None
+    tmp_path: Path, faults: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    held = _HeldCreates(monkeypatch)  # so "during the call" is during it, however loaded
     envs = [SKY.make(tmp_path / str(i), kwargs=BATCHED) for i in range(4)]
     scopes = [anyio.CancelScope() for _ in envs]
     errors: list[BaseException | None] = [None] * 4
@@ -134,9 +135,9 @@ async def test_creators_cancelled_before_and_during_the_call_leak_nothing(
         await anyio.sleep(0.3)
         scopes[0].cancel()  # before the call: the batch asks for one fewer
         with anyio.fail_after(60):
-            while not await create_calls():
-                await anyio.sleep(0.02)
+            await held.entered.wait()
         scopes[1].cancel()  # during the call: its sandbox is made, then terminated
+        held.gate.set()
     assert errors == [None] * 4
     assert [len(c["names"]) for c in await create_calls()] == [3]
     assert scopes[0].cancelled_caught and scopes[1].cancelled_caught

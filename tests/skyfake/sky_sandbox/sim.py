@@ -33,6 +33,7 @@ class LatencyModel:
     bytes_per_sec: float = 100e6
     jitter: float = 0.3  # each wait is scaled by a uniform factor in [1 - j, 1 + j]
     create_failure_rate: float = 0.03
+    failing_first_creates: int = 0  # these fail whatever the rate: a test sees retries for sure
     seed_files: dict[str, bytes] = field(
         default_factory=lambda: {"/logs/verifier/reward.txt": b"1\n"}
     )
@@ -64,7 +65,8 @@ class SimEngine:
     async def create(self, names: list[str], spec: dict[str, Any]) -> list[str]:
         await self._wait(self.model.create_sec)
         self.counters.creates += 1
-        if random.random() < self.model.create_failure_rate:
+        failing = self.counters.creates <= self.model.failing_first_creates
+        if failing or random.random() < self.model.create_failure_rate:
             self.counters.create_failures += 1
             raise TransientServerError("simulated: the cluster could not schedule the pod yet")
         for name in names:
