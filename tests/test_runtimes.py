@@ -394,12 +394,14 @@ def test_a_python_runtime_binds_nothing_of_the_hosts_root(tmp_path: Path) -> Non
 async def test_an_agent_user_that_cannot_run_the_runtime_is_told_why(
     tmp_path: Path, relay: Relay
 ) -> None:
-    """A task image that closes a folder the runtime is bound under (/var/cache, 0700) to its
-    non-root agent user: the agent's setup fails saying so (never a reward, no policy call)."""
+    """A task image that closes a folder the runtime is bound under (the cache's parent, such
+    as /var/cache, 0700) to its non-root agent user: the agent's setup fails saying so (never
+    a reward, no policy call)."""
     task = tmp_path / "tasks" / "closed-cache"
     shutil.copytree(TASKS / "nonroot-agent", task)
+    closed = runtimes_dir().parent.parent  # wherever BACKENDS_CACHE puts the cache
     with (task / "environment" / "Dockerfile").open("a") as dockerfile:
-        dockerfile.write("RUN chmod 700 /var/cache\n")
+        dockerfile.write(f"RUN mkdir -p {closed} && chmod 700 {closed}\n")
     backend = mini(tmp_path, tasks_dir=task.parent, task_mode="dataset", infra_attempts=1)
     request = RolloutRequest(
         rollout_id="mini-closed", prompt=[], metadata={"harbor_task_id": "closed-cache"}
