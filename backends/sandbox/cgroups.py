@@ -11,6 +11,7 @@ because it kills a whole tree atomically, daemons and re-parented children inclu
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -89,6 +90,21 @@ def layout() -> Layout:
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
+
+
+def _removed(e: OSError) -> bool:
+    """The cgroup this file belongs to is gone (ENOENT) or being removed right now: the
+    kernel refuses its files with ENODEV until the directory disappears."""
+    return e.errno in (errno.ENOENT, errno.ENODEV)
+
+
+def _kill_group(group: Path) -> None:
+    """Write the group's `cgroup.kill`; a group removed meanwhile has nothing to kill."""
+    try:
+        _write(group / "cgroup.kill", "1")
+    except OSError as e:
+        if not _removed(e):
+            raise
 
 
 def _enable_v2_controllers(root: Path, controllers: set[str]) -> None:
@@ -239,8 +255,7 @@ class SandboxCgroup:
         """SIGKILL every process of the sandbox (or of one exec group) and wait till gone."""
         target = self.v2_dir / sub if (self.v2_dir is not None and sub) else self.v2_dir
         if target is not None and (target / "cgroup.kill").exists():
-            with contextlib.suppress(FileNotFoundError):
-                _write(target / "cgroup.kill", "1")
+            _kill_group(target)
             _wait_empty(target, timeout)
             return
         # No cgroup.kill: signal members until none is left (they cannot fork past pids.max
@@ -262,8 +277,7 @@ class SandboxCgroup:
         """SIGKILL the whole sandbox through `cgroup.kill`, without waiting; False: no such file."""
         if self.v2_dir is None or not self.layout.can_kill_tree:
             return False
-        with contextlib.suppress(FileNotFoundError):  # never created: nothing runs in it
-            _write(self.v2_dir / "cgroup.kill", "1")
+        _kill_group(self.v2_dir)  # never created: nothing runs in it
         return True
 
     async def wait_empty(self, limit_sec: float = KILL_WAIT_SEC) -> None:
@@ -316,8 +330,7 @@ class SandboxCgroup:
                 for group in self.v2_dir.iterdir():
                     if group.is_dir() and group != home and not _empty(group):
                         left = True
-                        with contextlib.suppress(FileNotFoundError):
-                            _write(group / "cgroup.kill", "1")
+                        _kill_group(group)
             for pid in set(self.members()) - set(keep):
                 left = True
                 self._kill_member(pid)
@@ -355,11 +368,12 @@ class SandboxCgroup:
 
 def _members(group: Path) -> list[int]:
     pids: list[int] = []
-    try:
-        for procs in [group / "cgroup.procs", *group.glob("*/cgroup.procs")]:
+    for procs in [group / "cgroup.procs", *group.glob("*/cgroup.procs")]:
+        try:  # an exec's group may be removed while we list (it had no member then)
             pids.extend(int(x) for x in procs.read_text().split())
-    except FileNotFoundError:
-        pass
+        except OSError as e:
+            if not _removed(e):
+                raise
     return pids
 
 
@@ -367,8 +381,10 @@ def _empty(group: Path) -> bool:
     """No process left in the v2 group or below it (a removed group counts as empty)."""
     try:
         return "populated 0" in (group / "cgroup.events").read_text()
-    except FileNotFoundError:
-        return True
+    except OSError as e:
+        if _removed(e):
+            return True
+        raise
 
 
 def _wait_empty(group: Path, timeout: float) -> None:
