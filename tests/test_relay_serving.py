@@ -23,8 +23,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from openai.types.chat import ChatCompletionMessageParam
 from policy_support import chat_upstream, completion
 
-from backends.relay import Relay, RelaySettings
-from backends.relay.serving import serve_asgi
+from backends.relay import CallError, Grant, Relay, RelaySettings
+from backends.relay.serving import HALF_CLOSE_GRACE_SEC, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
@@ -232,3 +232,78 @@ async def test_a_connection_flood_from_one_sandbox_keeps_fds_bounded_and_others_
     # a few turns later.
     held = most_idle + 3 * (most_calls + 1) + 30
     assert typical <= held, fds
+
+
+def _raw_call(grant: Grant) -> bytes:
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    head = (
+        f"POST {grant.path}/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {grant.token}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _answer_after_half_close(stream: Any, request: bytes) -> bytes:
+    await stream.send(request)
+    await stream.send_eof()  # shutdown(SHUT_WR), as nc -N does
+    answer = b""
+    with anyio.fail_after(10):
+        try:
+            while chunk := await stream.receive():
+                answer += chunk
+        except anyio.EndOfStream:
+            pass
+    return answer
+
+
+async def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(
+    tmp_path: Path,
+) -> None:
+    """A client may shut down its sending side once its request is out (nc -N, some HTTP/1.0
+    clients) and wait for the answer; the relay's local sandboxes reach it through a forwarder
+    that passes the EOF on at once."""
+    socket_path = tmp_path / "relay.sock"
+    async with serve_asgi(_slow_app, unix_socket_path=socket_path) as at:
+        for connect in (
+            lambda: anyio.connect_unix(socket_path),
+            lambda: anyio.connect_tcp(at.host, at.port),
+        ):
+            for version in (b"1.1", b"1.0"):
+                async with await connect() as stream:
+                    request = b"GET /0.3 HTTP/" + version + b"\r\nHost: x\r\n\r\n"
+                    answer = await _answer_after_half_close(stream, request)
+                assert answer.startswith(b"HTTP/1.1 200") and b"\r\nok" in answer, answer
+
+    # Through the relay, a policy call, answered and recorded.
+    async with (
+        chat_upstream(_Policy().chat) as url,
+        Relay(upstream_url=url, unix_socket_path=tmp_path / "r.sock") as relay,
+    ):
+        grant = relay.register("r1")
+        request = _raw_call(grant)
+        async with await anyio.connect_unix(tmp_path / "r.sock") as stream:
+            answer = await _answer_after_half_close(stream, request)
+        assert answer.startswith(b"HTTP/1.1 200") and b'"content": "42"' in answer, answer
+        assert [c.status for c in relay.end("r1").calls] == [200]
+
+
+async def test_a_half_closed_clients_call_is_abandoned_after_a_grace(tmp_path: Path) -> None:
+    """A read cannot tell a half-close from a hang-up: past the grace, the call is given up."""
+    policy = _Policy()  # never answers the rollout named attacker
+    async with (
+        chat_upstream(policy.chat) as url,
+        Relay(upstream_url=url, unix_socket_path=tmp_path / "r.sock") as relay,
+    ):
+        grant = relay.register("attacker")
+        request = _raw_call(grant)
+        started = time.monotonic()
+        async with await anyio.connect_unix(tmp_path / "r.sock") as stream:
+            assert await _answer_after_half_close(stream, request) == b""
+        assert time.monotonic() - started < 5
+        with anyio.fail_after(5):
+            while relay.trace("attacker").calls[0].latency_s is None:
+                await anyio.sleep(0.02)
+        call = relay.end("attacker").calls[0]
+        policy.release.set()
+    assert call.error is CallError.CLIENT_DISCONNECTED
+    assert call.latency_s is not None and HALF_CLOSE_GRACE_SEC <= call.latency_s < 5

@@ -160,6 +160,10 @@ class _CoalescingTransport:
 # the first request, from the connect). uvicorn times only the idle wait between requests, so
 # a client that connects and never sends held a connection, and its fds, for good.
 HEADER_TIMEOUT_SEC = 30.0
+# How long a client that shut its side down after its request still gets for the answer. A read
+# cannot tell that (nc -N, some HTTP/1.0 clients) from a client that hung up, whose call must
+# be abandoned soon, so the upstream stops generating for nobody.
+HALF_CLOSE_GRACE_SEC = 0.5
 # The most idle connections a server keeps by default, whatever the open-file limit.
 MAX_IDLE_CONNECTIONS = 4096
 
@@ -245,9 +249,11 @@ class _IdleConnections:
 
 class _Protocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_SEC
+    half_close_grace_s = HALF_CLOSE_GRACE_SEC
     idle: _IdleConnections  # one per server: set by _protocol_class
     source = ""  # the peer's address; "" on the Unix socket
     _header_timer: asyncio.TimerHandle | None = None
+    _half_closed: asyncio.TimerHandle | None = None  # the grace's end, once the client's EOF came
     _kept = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -273,8 +279,26 @@ class _Protocol(HttpToolsProtocol):
             if not self.transport.is_closing():
                 self.idle.add(self)
         super().on_response_complete()
+        if self._half_closed is not None and self.cycle.response_complete:
+            self._half_closed.cancel()
+            self._half_closed = None
+            self.transport.close()  # all it asked is answered; close() sends what is left
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio allows True
+        if self.cycle is None or self.cycle.response_complete:
+            return None  # nothing asked is unanswered: close
+        # Keep the connection for the answer, for a grace (HALF_CLOSE_GRACE_SEC).
+        self._half_closed = self.loop.call_later(self.half_close_grace_s, self._grace_over)
+        return True
+
+    def _grace_over(self) -> None:
+        self._half_closed = None
+        self.transport.abort()  # as a hang-up: the app sees the disconnect, abandons the call
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._half_closed is not None:
+            self._half_closed.cancel()
+            self._half_closed = None
         self._stop_timing_headers()
         self.idle.discard(self)
         super().connection_lost(exc)
