@@ -311,10 +311,11 @@ async def test_limits_contain_memory_and_fork_bombs(provider: Provider, tmp_path
         async with anyio.create_task_group() as tg:
             tg.start_soon(_swallow, bomb)
             await anyio.sleep(1)
-            # The host stays responsive while the bomb hits pids.max.
+            # The host stays responsive while the bomb hits pids.max: a host it filled would
+            # refuse the fork or stall far longer than this (generous: the host may be loaded).
             t = time.monotonic()
             subprocess.run(["true"], check=True)  # noqa: ASYNC221 - measures host latency
-            assert time.monotonic() - t < 1.0
+            assert time.monotonic() - t < 5.0
         assert time.monotonic() - t0 < 15
         alive = await env.exec("echo alive")
         assert alive.stdout == "alive\n", alive
