@@ -60,7 +60,7 @@ def start_server(tmp_path: Path, state: Path, port: int) -> subprocess.Popen[byt
         "--port", str(port), "--state-file", str(state), "--log-level", "warning",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a loaded host imports slowly; a failed start exits
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
