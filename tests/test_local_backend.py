@@ -283,14 +283,14 @@ async def test_agent_timeout_counts_time_spent_queued(tmp_path: Path) -> None:
     results: dict[str, RolloutResult] = {}
 
     async def one(rid: str, sleep: float) -> None:
-        req = request(rid, metadata={"sleep": sleep}, agent_timeout_sec=0.5)
+        req = request(rid, metadata={"sleep": sleep}, agent_timeout_sec=3)
         results[rid] = await backend.execute(req)
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(one, "first", 0.4)
+        tg.start_soon(one, "first", 2)  # 1 s to spare, for a loaded host (0.1 s was too few)
         await anyio.sleep(0.01)
-        # Alone this would finish in 0.2 s, but it waits 0.4 s for the slot: 0.6 s > 0.5 s.
-        tg.start_soon(one, "second", 0.2)
+        # Alone this would finish in 1.5 s, but it waits 2 s for the slot: 3.5 s > 3 s.
+        tg.start_soon(one, "second", 1.5)
     assert results["first"].status is RolloutStatus.SUCCESS
     second = results["second"]
     assert second.failure is not None
