@@ -8,6 +8,7 @@ which the callers handle: a sandbox that died), never an unexplained FileNotFoun
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections.abc import Iterator
 
@@ -24,6 +25,9 @@ def exited_child() -> Iterator[tuple[int, int]]:
     if pid == 0:
         os._exit(0)
     pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    assert poller.poll(10_000), "the child never exited"  # readable: it has exited
     try:
         yield pid, pidfd
     finally:
