@@ -93,7 +93,7 @@ def test_kill_9_leaves_no_sandbox_running(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # the spawner's kill is prompt; a loaded host, not always
     while marked(marker):
         assert time.monotonic() < deadline, (
             f"sandboxed processes outlived the server: {marked(marker)}"
