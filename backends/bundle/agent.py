@@ -16,6 +16,7 @@ import logging
 import sys
 import tempfile
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -275,8 +276,9 @@ class LivePreview:
 
 # Rollouts whose runner runs now, by "<plan key>/<rollout id>".
 _LIVE: dict[str, LivePreview] = {}
-# Plans' warm runners, by plan key.
-_WARM: dict[str, WarmRunner] = {}
+# Plans' warm runners, by plan key; held by their plan alone, so a backend dropped unclosed
+# takes its runner (and its sandbox) with it.
+_WARM: weakref.WeakValueDictionary[str, WarmRunner] = weakref.WeakValueDictionary()
 
 
 def _agent_failure(message: str) -> RolloutFailure:
