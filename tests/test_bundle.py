@@ -664,59 +664,6 @@ async def test_a_backends_warm_runner_ends_with_it_closed_or_dropped(
 
 
 @pytest.mark.sandbox
-def test_a_backend_dropped_after_its_event_loop_closed_ends_its_warm_runner(
-    tmp_path: Path,
-) -> None:
-    warmed = Warmed(tmp_path)
-
-    async def warm_up() -> None:
-        async with (
-            ScriptedPolicy() as policy,
-            Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
-        ):
-            await warmed.run(relay)
-
-    anyio.run(warm_up)
-    assert warmed.sandboxes <= set(running_sandboxes())
-    warmed.drop()  # no loop left to hand the kills to: they run here
-    anyio.run(warmed.assert_ended, 10)
-
-
-async def test_a_non_root_agent_user_runs_the_workflow_forked_and_cold(
-    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
-) -> None:
-    """A task whose agent user is not root: the bundled workflow runs as that user, forked
-    from the warm runner and cold, on the copy of the host's Python in the cache (nothing
-    under the host's /root is in its sandbox), and can write neither that Python, nor its
-    environment, nor its project."""
-    template = nonroot_template(tmp_path)
-    warm = in_sandbox("ReportsIdentity", where=tmp_path / "warm", tasks_dir=template)
-    cold = in_sandbox("ReportsIdentity", where=tmp_path / "cold", tasks_dir=template)
-    assert cold.settings.workflow is not None
-    cold.settings.workflow.fork_server = False
-    metadata = {"host_prefix": sys.base_prefix}
-    try:
-        forked = [await run_one(relay, warm, metadata=metadata) for _ in range(2)]
-        baseline = await run_one(relay, cold, metadata=metadata)
-        servers = _warm_servers(warm)
-    finally:
-        await warm.aclose()
-        await cold.aclose()
-    assert len(servers) == 1  # both forked rollouts came from one server
-    agent_uid = 1000  # the image's first useradd
-    for result, out, was_forked in [
-        *((r, tmp_path / "warm" / "out", True) for r in forked),
-        (baseline, tmp_path / "cold" / "out", False),
-    ]:
-        seen = identity_of(result, out)
-        assert seen["uid"] == seen["euid"] == agent_uid, seen
-        assert seen["parent_visible"] == (0 if was_forked else 1), seen
-        assert seen["under_root"] == [] and not seen["prefix"].startswith("/root"), seen
-        assert seen["written"] == [] and seen["remounted"] == [], seen
-        assert Path(seen["prefix"]).is_relative_to(runtimes_dir()), seen
-
-
-@pytest.mark.sandbox
 @pytest.mark.anyio
 async def test_an_agent_user_that_cannot_run_the_environment_is_told_why(
     tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
@@ -757,6 +704,61 @@ async def test_a_root_agent_user_runs_on_the_python_copy_and_cannot_write_it(
     assert str(plan.environment.python_prefix) == seen["prefix"]
     for path in (plan.environment.path, plan.environment.python_prefix):
         assert binds[str(path)]["read_only"], binds
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_non_root_agent_user_runs_the_workflow_forked_and_cold(
+    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
+) -> None:
+    """A task whose agent user is not root: the bundled workflow runs as that user, forked
+    from the warm runner and cold, on the copy of the host's Python in the cache (nothing
+    under the host's /root is in its sandbox), and can write neither that Python, nor its
+    environment, nor its project."""
+    template = nonroot_template(tmp_path)
+    warm = in_sandbox("ReportsIdentity", where=tmp_path / "warm", tasks_dir=template)
+    cold = in_sandbox("ReportsIdentity", where=tmp_path / "cold", tasks_dir=template)
+    assert cold.settings.workflow is not None
+    cold.settings.workflow.fork_server = False
+    metadata = {"host_prefix": sys.base_prefix}
+    try:
+        forked = [await run_one(relay, warm, metadata=metadata) for _ in range(2)]
+        baseline = await run_one(relay, cold, metadata=metadata)
+        servers = _warm_servers(warm)
+    finally:
+        await warm.aclose()
+        await cold.aclose()
+    assert len(servers) == 1  # both forked rollouts came from one server
+    agent_uid = 1000  # the image's first useradd
+    for result, out, was_forked in [
+        *((r, tmp_path / "warm" / "out", True) for r in forked),
+        (baseline, tmp_path / "cold" / "out", False),
+    ]:
+        seen = identity_of(result, out)
+        assert seen["uid"] == seen["euid"] == agent_uid, seen
+        assert seen["parent_visible"] == (0 if was_forked else 1), seen
+        assert seen["under_root"] == [] and not seen["prefix"].startswith("/root"), seen
+        assert seen["written"] == [] and seen["remounted"] == [], seen
+        assert Path(seen["prefix"]).is_relative_to(runtimes_dir()), seen
+
+
+@pytest.mark.sandbox
+def test_a_backend_dropped_after_its_event_loop_closed_ends_its_warm_runner(
+    tmp_path: Path,
+) -> None:
+    warmed = Warmed(tmp_path)
+
+    async def warm_up() -> None:
+        async with (
+            ScriptedPolicy() as policy,
+            Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
+        ):
+            await warmed.run(relay)
+
+    anyio.run(warm_up)
+    assert warmed.sandboxes <= set(running_sandboxes())
+    warmed.drop()  # no loop left to hand the kills to: they run here
+    anyio.run(warmed.assert_ended, 10)
 
 
 def test_a_bundle_opens_from_its_folder(tmp_path: Path) -> None:
