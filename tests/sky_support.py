@@ -22,7 +22,11 @@ def fake_env(socket_path: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def fake_sky_server() -> Iterator[dict[str, str]]:
-    """Run the fake API server; yield the environment pointing at it (also set in os.environ)."""
+    """Run the fake API server; yield the environment pointing at it (also set in os.environ).
+
+    The server dies with the thread that starts it (PR_SET_PDEATHSIG), so start it from one
+    that outlives it: the main thread, as pytest's fixtures run.
+    """
     tmp = tempfile.mkdtemp(prefix="fake-sky-sock-")
     sock = f"{tmp}/api.sock"
     env = fake_env(sock)
@@ -30,7 +34,8 @@ def fake_sky_server() -> Iterator[dict[str, str]]:
         [sys.executable, "-m", "sky_sandbox.server", sock],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, **env},
+        # It dies with this process, even SIGKILLed (a killed suite would orphan it).
+        env={**os.environ, **env, "FAKE_SKY_PARENT": str(os.getpid())},
     )
     assert server.stdout is not None
     assert server.stdout.readline().strip() == "ready", "the fake API server did not start"

@@ -6,6 +6,8 @@ with the embedded scripted policy, and compare with LocalBackend on the same dat
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import shutil
@@ -18,6 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
+from host_support import running_sandboxes
 
 from backends import (
     ErrorCategory,
@@ -558,6 +561,48 @@ async def test_killing_the_warm_runner_mid_batch_loses_no_rollout(
         assert result.reward == 0.5
 
 
+async def _gone_within(names: set[str], seconds: float) -> set[str]:
+    """Those of the sandboxes `names` still running after up to `seconds`."""
+    with anyio.move_on_after(seconds):
+        while names & set(running_sandboxes()):
+            await anyio.sleep(0.05)
+    return names & set(running_sandboxes())
+
+
+class Warmed:
+    """A backend that ran one bundled rollout: its warm runner's sandbox and server run."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.backend: HarborBackend | None = HarborBackend(
+            tasks_dir=TEMPLATE,
+            agent=f"{PROJECT}/main.py:ReportsParent",
+            grader=GRADER,
+            trials_dir=tmp_path / "trials",
+            artifacts=tmp_path / "out",
+        )
+        self.sandboxes: set[str] = set()
+        self.servers: list[int] = []
+
+    async def run(self, relay: Relay) -> None:
+        assert self.backend is not None
+        before = set(running_sandboxes())
+        result = await run_one(relay, self.backend)
+        assert result.status is RolloutStatus.SUCCESS, result.failure
+        assert result.sample and result.sample.metrics["parent_visible"] == 0  # it forked
+        self.sandboxes = set(running_sandboxes()) - before  # the trial's sandbox is stopped
+        self.servers = [server.proc.pid for server in _warm_servers(self.backend)]
+        assert len(self.sandboxes) == 1 and len(self.servers) == 1
+
+    def drop(self) -> None:
+        """Lose the last reference and collect it (in whatever thread this runs)."""
+        self.backend = None
+        gc.collect()
+
+    async def assert_ended(self, within: float) -> None:
+        assert not await _gone_within(self.sandboxes, within)
+        assert not await anyio.Path(f"/proc/{self.servers[0]}").exists()
+
+
 def nonroot_template(tmp_path: Path) -> Path:
     """The workflow template with an image that has a user "agent", which the task's agent
     runs as (``[agent] user``)."""
@@ -585,38 +630,37 @@ def identity_of(result: RolloutResult, out: Path) -> dict[str, Any]:
 
 @pytest.mark.sandbox
 @pytest.mark.anyio
-async def test_a_non_root_agent_user_runs_the_workflow_forked_and_cold(
-    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
+@pytest.mark.parametrize("ending", ["aclose", "aclosing", "dropped", "collected-in-a-thread"])
+async def test_a_backends_warm_runner_ends_with_it_closed_or_dropped(
+    tmp_path: Path, relay: Relay, ending: str
 ) -> None:
-    """A task whose agent user is not root: the bundled workflow runs as that user, forked
-    from the warm runner and cold, on the copy of the host's Python in the cache (nothing
-    under the host's /root is in its sandbox), and can write neither that Python, nor its
-    environment, nor its project."""
-    template = nonroot_template(tmp_path)
-    warm = in_sandbox("ReportsIdentity", where=tmp_path / "warm", tasks_dir=template)
-    cold = in_sandbox("ReportsIdentity", where=tmp_path / "cold", tasks_dir=template)
-    assert cold.settings.workflow is not None
-    cold.settings.workflow.fork_server = False
-    metadata = {"host_prefix": sys.base_prefix}
+    warmed = Warmed(tmp_path)
+    backend = warmed.backend
+    assert backend is not None
     try:
-        forked = [await run_one(relay, warm, metadata=metadata) for _ in range(2)]
-        baseline = await run_one(relay, cold, metadata=metadata)
-        servers = _warm_servers(warm)
-    finally:
-        await warm.aclose()
-        await cold.aclose()
-    assert len(servers) == 1  # both forked rollouts came from one server
-    agent_uid = 1000  # the image's first useradd
-    for result, out, was_forked in [
-        *((r, tmp_path / "warm" / "out", True) for r in forked),
-        (baseline, tmp_path / "cold" / "out", False),
-    ]:
-        seen = identity_of(result, out)
-        assert seen["uid"] == seen["euid"] == agent_uid, seen
-        assert seen["parent_visible"] == (0 if was_forked else 1), seen
-        assert seen["under_root"] == [] and not seen["prefix"].startswith("/root"), seen
-        assert seen["written"] == [] and seen["remounted"] == [], seen
-        assert Path(seen["prefix"]).is_relative_to(runtimes_dir()), seen
+        if ending == "aclosing":
+            async with contextlib.aclosing(backend):
+                await warmed.run(relay)
+        else:
+            await warmed.run(relay)
+        if ending == "aclose":
+            await backend.aclose()
+    except BaseException:
+        await backend.aclose()
+        raise
+    del backend
+    if ending in ("aclose", "aclosing"):
+        # Gone by the time aclose returned; collecting the backend later does nothing more.
+        await warmed.assert_ended(within=0)
+        warmed.drop()
+        return
+    # Never closed: once unreferenced and collected, it ends the runner's sandbox itself.
+    assert warmed.sandboxes <= set(running_sandboxes())
+    if ending == "dropped":
+        warmed.drop()
+    else:  # a finalizer may run in any thread: the kills still happen on the loop
+        await anyio.to_thread.run_sync(warmed.drop)
+    await warmed.assert_ended(within=10)
 
 
 @pytest.mark.sandbox
@@ -660,6 +704,61 @@ async def test_a_root_agent_user_runs_on_the_python_copy_and_cannot_write_it(
     assert str(plan.environment.python_prefix) == seen["prefix"]
     for path in (plan.environment.path, plan.environment.python_prefix):
         assert binds[str(path)]["read_only"], binds
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_non_root_agent_user_runs_the_workflow_forked_and_cold(
+    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
+) -> None:
+    """A task whose agent user is not root: the bundled workflow runs as that user, forked
+    from the warm runner and cold, on the copy of the host's Python in the cache (nothing
+    under the host's /root is in its sandbox), and can write neither that Python, nor its
+    environment, nor its project."""
+    template = nonroot_template(tmp_path)
+    warm = in_sandbox("ReportsIdentity", where=tmp_path / "warm", tasks_dir=template)
+    cold = in_sandbox("ReportsIdentity", where=tmp_path / "cold", tasks_dir=template)
+    assert cold.settings.workflow is not None
+    cold.settings.workflow.fork_server = False
+    metadata = {"host_prefix": sys.base_prefix}
+    try:
+        forked = [await run_one(relay, warm, metadata=metadata) for _ in range(2)]
+        baseline = await run_one(relay, cold, metadata=metadata)
+        servers = _warm_servers(warm)
+    finally:
+        await warm.aclose()
+        await cold.aclose()
+    assert len(servers) == 1  # both forked rollouts came from one server
+    agent_uid = 1000  # the image's first useradd
+    for result, out, was_forked in [
+        *((r, tmp_path / "warm" / "out", True) for r in forked),
+        (baseline, tmp_path / "cold" / "out", False),
+    ]:
+        seen = identity_of(result, out)
+        assert seen["uid"] == seen["euid"] == agent_uid, seen
+        assert seen["parent_visible"] == (0 if was_forked else 1), seen
+        assert seen["under_root"] == [] and not seen["prefix"].startswith("/root"), seen
+        assert seen["written"] == [] and seen["remounted"] == [], seen
+        assert Path(seen["prefix"]).is_relative_to(runtimes_dir()), seen
+
+
+@pytest.mark.sandbox
+def test_a_backend_dropped_after_its_event_loop_closed_ends_its_warm_runner(
+    tmp_path: Path,
+) -> None:
+    warmed = Warmed(tmp_path)
+
+    async def warm_up() -> None:
+        async with (
+            ScriptedPolicy() as policy,
+            Relay(upstream_url=policy.base_url, unix_socket_path=tmp_path / "relay.sock") as relay,
+        ):
+            await warmed.run(relay)
+
+    anyio.run(warm_up)
+    assert warmed.sandboxes <= set(running_sandboxes())
+    warmed.drop()  # no loop left to hand the kills to: they run here
+    anyio.run(warmed.assert_ended, 10)
 
 
 def test_a_bundle_opens_from_its_folder(tmp_path: Path) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,3 +156,46 @@ def test_the_fake_is_importable_as_the_platform_shim() -> None:
         cwd=ROOT,
     )
     assert res.stdout.strip() == "sky_sandbox", res.stderr
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_fake_server_dies_with_a_sigkilled_test_process() -> None:
+    # A test process that starts the fake server, then is SIGKILLed: no clean-up runs in it.
+    code = (
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from sky_support import fake_sky_server\n"
+        "with fake_sky_server() as env:\n"
+        "    print(env['SKYPILOT_API_SERVER_ENDPOINT'], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server = 0
+    try:
+        assert parent.stdout is not None
+        socket = Path(parent.stdout.readline().strip().removeprefix("unix://"))
+        assert socket.exists(), "the fake server did not start"
+        children = subprocess.run(
+            ["pgrep", "-P", str(parent.pid)], capture_output=True, text=True, check=True
+        )
+        (server,) = map(int, children.stdout.split())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server), "the fake server outlived the test process that started it"
+        assert not socket.parent.exists()  # it removed its socket and the socket's folder
+    finally:
+        parent.kill()
+        parent.wait()
+        if server and _alive(server):
+            os.kill(server, signal.SIGKILL)

@@ -17,6 +17,7 @@ import shlex
 import sys
 import tempfile
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -278,8 +279,9 @@ class LivePreview:
 
 # Rollouts whose runner runs now, by "<plan key>/<rollout id>".
 _LIVE: dict[str, LivePreview] = {}
-# Plans' warm runners, by plan key.
-_WARM: dict[str, WarmRunner] = {}
+# Plans' warm runners, by plan key; held by their plan alone, so a backend dropped unclosed
+# takes its runner (and its sandbox) with it.
+_WARM: weakref.WeakValueDictionary[str, WarmRunner] = weakref.WeakValueDictionary()
 # (plan key, agent user) pairs seen running the environment: checked once, not per trial.
 _RUNNABLE: set[tuple[str, str]] = set()
 

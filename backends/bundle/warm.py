@@ -8,14 +8,19 @@ no-network host sandbox of the task's image (with the environment bound, as in a
 ``BundleAgent`` runs ``runner run`` through them; each rollout is forked into its own trial's
 sandbox, reads its input there, and nothing of it stays in the server. Whenever they cannot
 serve, the rollout runs cold.
+
+A runner nobody closes (its HarborBackend dropped without ``aclose()``) ends its servers and
+host sandbox when it is collected, rather than when the process exits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shlex
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +62,7 @@ class WarmRunner:
         self._servers: ForkServers | None = None
         self._failed = False
         self._closed = False
+        self._finalizer: weakref.finalize[..., WarmRunner] | None = None
 
     async def servers(self) -> ForkServers | None:
         """The fork servers, their host sandbox started on first use; None: run cold."""
@@ -98,6 +104,9 @@ class WarmRunner:
             cwd=project,
             preload=(PRELOAD, [project, self.entrypoint, self.workflow_config]),
         )
+        self._finalizer = weakref.finalize(
+            self, _stop_unclosed, asyncio.get_running_loop(), self._servers, host, self._scratch
+        )
 
     async def aclose(self) -> None:
         """End every server and their host sandbox; later rollouts run cold."""
@@ -107,6 +116,8 @@ class WarmRunner:
                 await self._stop()
 
     async def _stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         servers, self._servers = self._servers, None
         if servers is not None:
             servers.close()
@@ -116,6 +127,23 @@ class WarmRunner:
         scratch, self._scratch = self._scratch, None
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stop_unclosed(
+    loop: asyncio.AbstractEventLoop, servers: ForkServers, host: LocalSandbox, scratch: Path
+) -> None:
+    """``_stop()`` for a runner collected unclosed. A finalizer cannot await and may run in
+    any thread, inside any code: the kills go to the runner's loop as a callback of their own
+    (or run here once that loop is closed); the waiting and removals to the cleanup thread."""
+
+    def stop() -> None:
+        servers.close()
+        host.sandbox.stop_nowait(then=lambda: shutil.rmtree(scratch, ignore_errors=True))
+
+    try:
+        loop.call_soon_threadsafe(stop)
+    except RuntimeError:  # the loop is closed: nothing of it runs any more
+        stop()
 
 
 async def open_paths(host: LocalSandbox, paths: list[Path]) -> None:

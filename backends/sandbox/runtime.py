@@ -239,6 +239,40 @@ class BwrapSandbox:
             if booted is not None:
                 await booted.process.wait()
             await self.cgroup.wait_empty()
+        self._release(booted)
+        self._close_uplink()
+        _later(self._cleanup)
+
+    def stop_nowait(self, then: Callable[[], None] | None = None) -> None:
+        """`stop()` for code that cannot await (a finalizer); call it on the sandbox's loop.
+
+        Every process gets SIGKILL now; confirming they are dead, freeing the uid range,
+        the removals and then `then` follow on the cleanup thread.
+        """
+        booted, self._booted = self._booted, None
+        if booted is not None:
+            booted.process.kill()
+        self.cgroup.start_kill()
+        self._close_uplink()
+
+        def finish() -> None:
+            self.cgroup.kill()  # waits until the group is empty (or signals it empty)
+            self._release(booted)
+            self._cleanup()
+            if then is not None:
+                then()
+
+        _later(finish)
+
+    def _close_uplink(self) -> None:
+        if self._uplink is not None:
+            # Host-side infrastructure, not sandbox code: killed, but not waited for (its
+            # network device's teardown takes tens of ms); the spawner reaps it.
+            self._uplink.close()
+            self._uplink = None
+
+    def _release(self, booted: launcher.Booted | None) -> None:
+        """Close what the host held of a sandbox whose processes are all dead."""
         root, self._root = self._root, None
         if root is not None:
             root.close()
@@ -247,12 +281,6 @@ class BwrapSandbox:
         if self._lease is not None:  # nothing of the sandbox runs as its uids any more
             self._lease.release()
             self._lease = None
-        if self._uplink is not None:
-            # Host-side infrastructure, not sandbox code: killed, but not waited for (its
-            # network device's teardown takes tens of ms); the spawner reaps it.
-            self._uplink.close()
-            self._uplink = None
-        _later(self._cleanup)
 
     def _cleanup(self) -> None:
         self.cgroup.remove()

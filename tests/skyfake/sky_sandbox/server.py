@@ -4,7 +4,8 @@
 socket and prints ``ready`` once it listens. Sandboxes belong to this process, not to the
 client's, so they outlive a killed orchestrator as pods do; each one's ``timeout`` (its
 lifetime) is enforced, and SIGTERM stops them all. Secrets named at create time resolve from
-this process's environment, standing in for the Platform's secrets manager.
+this process's environment, standing in for the Platform's secrets manager. Started with
+``FAKE_SKY_PARENT=<pid>``, it stops when that process dies, however it died.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ctypes
 import itertools
 import json
 import os
@@ -36,6 +38,9 @@ POD_PIDS_LIMIT = 256  # as a kubelet's podPidsLimit would set
 # "killed" answers exit 137 (the pod's processes were killed); "hang" never answers, as a
 # stream whose far end vanished without closing. Set in the server's environment.
 LOST_EXECS_ENV = "FAKE_SKY_LOST_EXECS"
+# The pid whose death stops the server (tests/sky_support.py sets it to the test process).
+PARENT_ENV = "FAKE_SKY_PARENT"
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -297,6 +302,7 @@ async def serve(socket_path: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    stop_with_parent(stop)
     reaper = asyncio.ensure_future(server.reap_expired())
     print("ready", flush=True)
     await stop.wait()
@@ -305,6 +311,23 @@ async def serve(socket_path: str) -> None:
     await runner.cleanup()
     with contextlib.suppress(OSError):
         os.rmdir(state)
+    with contextlib.suppress(OSError):  # the socket, and its folder if made for it alone
+        os.unlink(socket_path)
+        os.rmdir(os.path.dirname(socket_path))
+
+
+def stop_with_parent(stop: asyncio.Event) -> None:
+    """SIGTERM (so: stop, pods and all) once the process named in ``FAKE_SKY_PARENT`` dies,
+    even by SIGKILL, when nothing could run its clean-up: a killed test suite must not leave
+    the server running."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != int(parent):  # it died before the prctl: no signal will come
+        stop.set()
 
 
 if __name__ == "__main__":
