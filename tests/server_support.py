@@ -183,7 +183,9 @@ def server_process(
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
+        # Generous: importing the server takes seconds on a loaded host (20 s ran out once);
+        # a server that cannot start exits, which ends the wait at once.
+        deadline = time.monotonic() + 120
         while True:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:

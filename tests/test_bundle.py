@@ -42,6 +42,7 @@ from backends.harbor import HarborBackend
 from backends.relay.scripted import ScriptedPolicy
 from backends.rollout.dataset import requests_from_dataset
 from backends.rollout.sample import RolloutSample
+from backends.runtimes import runtimes_dir
 
 # A test may be the first to build and install a bundle: a minute, and up to 15 measured on
 # a host loaded with other suites.
@@ -256,9 +257,9 @@ async def in_sandbox(tmp_path: Path) -> AsyncIterator[Callable[..., HarborBacken
         workflow: str, project: Path = PROJECT, *, where: Path = tmp_path, **kwargs: Any
     ) -> HarborBackend:
         kwargs.setdefault("grader", f"{project}/main.py:NonEmptyAnswer")
+        kwargs.setdefault("tasks_dir", TEMPLATE)
         made.append(
             HarborBackend(
-                tasks_dir=TEMPLATE,
                 agent=f"{project}/main.py:{workflow}",
                 trials_dir=where / "trials",
                 artifacts=where / "out",
@@ -367,7 +368,7 @@ async def test_a_running_backend_holds_its_bundle_and_environment_against_prunin
     assert not {str(environment.path), str(environment.bundle.path)} & removed
     await backend.aclose()  # from now on the cache may prune them
     assert plan.environment is None
-    assert environment.hold is not None and not environment.hold.held
+    assert environment.holds and not environment.held
 
 
 @pytest.mark.sandbox
@@ -602,6 +603,31 @@ class Warmed:
         assert not await anyio.Path(f"/proc/{self.servers[0]}").exists()
 
 
+def nonroot_template(tmp_path: Path) -> Path:
+    """The workflow template with an image that has a user "agent", which the task's agent
+    runs as (``[agent] user``)."""
+    task = tmp_path / "nonroot-template"
+    shutil.copytree(TEMPLATE, task)
+    config = (task / "task.toml").read_text()
+    config = config.replace('docker_image = "debian:12"\n', "")
+    config = config.replace("[agent]\n", '[agent]\nuser = "agent"\n')
+    (task / "task.toml").write_text(config)
+    (task / "environment").mkdir()
+    (task / "environment" / "Dockerfile").write_text(
+        "FROM debian:12\nRUN useradd --create-home --shell /bin/bash agent\n"
+    )
+    return task
+
+
+def identity_of(result: RolloutResult, out: Path) -> dict[str, Any]:
+    """What ReportsIdentity found: its metrics and its artifacts' identity.json."""
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 0.5 and result.sample is not None  # the host's grader decided
+    assert result.policy_trace is not None and len(result.policy_trace.calls) == 1
+    found = out / result.rollout_id / "artifacts" / "logs" / "artifacts" / "identity.json"
+    return {**result.sample.metrics, **json.loads(found.read_text())}
+
+
 @pytest.mark.sandbox
 @pytest.mark.anyio
 @pytest.mark.parametrize("ending", ["aclose", "aclosing", "dropped", "collected-in-a-thread"])
@@ -635,6 +661,85 @@ async def test_a_backends_warm_runner_ends_with_it_closed_or_dropped(
     else:  # a finalizer may run in any thread: the kills still happen on the loop
         await anyio.to_thread.run_sync(warmed.drop)
     await warmed.assert_ended(within=10)
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_an_agent_user_that_cannot_run_the_environment_is_told_why(
+    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
+) -> None:
+    """An image that closes the folder the environment is bound under (the cache's parent,
+    such as /var/cache, 0700) to its non-root agent user: the agent's setup says so, an
+    infrastructure failure (never a reward), before any policy call."""
+    template = nonroot_template(tmp_path)
+    closed = environment_module.environments_dir().parent.parent
+    with (template / "environment" / "Dockerfile").open("a") as dockerfile:
+        dockerfile.write(f"RUN mkdir -p {closed} && chmod 700 {closed}\n")
+    backend = in_sandbox("ReportsIdentity", tasks_dir=template, infra_attempts=1)
+    result = await run_one(relay, backend)
+    assert result.reward is None and result.failure is not None
+    assert result.failure.category is ErrorCategory.INFRA_ERROR, result.failure
+    assert "user (agent) cannot run it" in result.failure.message, result.failure.message
+    assert result.policy_trace is not None and not result.policy_trace.calls
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_root_agent_user_runs_on_the_python_copy_and_cannot_write_it(
+    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
+) -> None:
+    """Root in the sandbox (the template's default user): the host's Python under /root is not
+    there at all, and even root inside writes neither the copy, nor the environment, nor the
+    project (read-only binds; remounting is refused)."""
+    backend = in_sandbox("ReportsIdentity")
+    result = await run_one(relay, backend, metadata={"host_prefix": sys.base_prefix})
+    assert _warm_servers(backend)
+    seen = identity_of(result, tmp_path / "out")
+    assert seen["uid"] == 0 and seen["parent_visible"] == 0, seen
+    assert seen["host_prefix_visible"] == 0 and seen["under_root"] == [], seen
+    assert seen["written"] == [] and seen["remounted"] == [], seen
+    plan = backend.settings.workflow
+    assert plan is not None and plan.environment is not None
+    binds = {b["target"]: b for b in plan.environment.binds()}
+    assert str(plan.environment.python_prefix) == seen["prefix"]
+    for path in (plan.environment.path, plan.environment.python_prefix):
+        assert binds[str(path)]["read_only"], binds
+
+
+@pytest.mark.sandbox
+@pytest.mark.anyio
+async def test_a_non_root_agent_user_runs_the_workflow_forked_and_cold(
+    tmp_path: Path, relay: Relay, in_sandbox: Callable[..., HarborBackend]
+) -> None:
+    """A task whose agent user is not root: the bundled workflow runs as that user, forked
+    from the warm runner and cold, on the copy of the host's Python in the cache (nothing
+    under the host's /root is in its sandbox), and can write neither that Python, nor its
+    environment, nor its project."""
+    template = nonroot_template(tmp_path)
+    warm = in_sandbox("ReportsIdentity", where=tmp_path / "warm", tasks_dir=template)
+    cold = in_sandbox("ReportsIdentity", where=tmp_path / "cold", tasks_dir=template)
+    assert cold.settings.workflow is not None
+    cold.settings.workflow.fork_server = False
+    metadata = {"host_prefix": sys.base_prefix}
+    try:
+        forked = [await run_one(relay, warm, metadata=metadata) for _ in range(2)]
+        baseline = await run_one(relay, cold, metadata=metadata)
+        servers = _warm_servers(warm)
+    finally:
+        await warm.aclose()
+        await cold.aclose()
+    assert len(servers) == 1  # both forked rollouts came from one server
+    agent_uid = 1000  # the image's first useradd
+    for result, out, was_forked in [
+        *((r, tmp_path / "warm" / "out", True) for r in forked),
+        (baseline, tmp_path / "cold" / "out", False),
+    ]:
+        seen = identity_of(result, out)
+        assert seen["uid"] == seen["euid"] == agent_uid, seen
+        assert seen["parent_visible"] == (0 if was_forked else 1), seen
+        assert seen["under_root"] == [] and not seen["prefix"].startswith("/root"), seen
+        assert seen["written"] == [] and seen["remounted"] == [], seen
+        assert Path(seen["prefix"]).is_relative_to(runtimes_dir()), seen
 
 
 @pytest.mark.sandbox

@@ -160,11 +160,13 @@ def server_pid(servers: ForkServers) -> int:
 
 
 def alive(pid: int) -> bool:
+    """Is `pid` running? A zombie is not, nor a process reaped while we look (its /proc
+    entry then answers ENOENT, or ESRCH once open)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    return "State:\tZ" not in status and "State:\tX" not in status
 
 
 async def test_a_forked_command_is_confined_as_an_exec_is(

@@ -46,9 +46,7 @@ async def test_an_installed_agent_gets_the_route_through_its_environment(tmp_pat
             "factory": "agent:create_agent",
         },
         grader="backends.graders:ExactMatchGrader",
-        environment_config=EnvironmentConfig(
-            kwargs={"extra_binds": environment.binds(), "host_python": True}
-        ),
+        environment_config=EnvironmentConfig(kwargs={"extra_binds": environment.binds()}),
         trials_dir=tmp_path / "trials",
         artifacts=tmp_path / "out",
         cleanup_successful_trials=False,

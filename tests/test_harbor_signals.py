@@ -88,7 +88,7 @@ async def test_a_killed_runs_sandboxes_are_reaped_at_the_next_start(tmp_path: Pa
     proc, marker = start_batch(tmp_path)
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # the spawner's kill is prompt; a loaded host, not always
     while marked(marker):
         assert time.monotonic() < deadline, "sandboxed processes outlived their orchestrator"
         time.sleep(0.1)

@@ -45,10 +45,10 @@ async def test_idle_and_trickling_connections_are_closed_and_others_served(
 ) -> None:
     socket_path = tmp_path / "relay.sock"
     async with serve_asgi(_slow_app, unix_socket_path=socket_path, header_timeout_s=0.5) as at:
+        started = time.monotonic()  # before the connections, whose timeouts start with them
         silent = await anyio.connect_unix(socket_path)
         trickling = await anyio.connect_tcp(at.host, at.port)
         await trickling.send(b"GET /0 HTTP/1.1\r\nHost: x\r\n")  # headers never end
-        started = time.monotonic()
 
         assert await _closed_within(silent, 5)
         assert await _closed_within(trickling, 5)

@@ -259,7 +259,11 @@ async def test_end_processes_kills_all_but_pid_1_without_a_command(tmp_path: Pat
         box = env._box  # type: ignore[attr-defined]
         async with anyio.create_task_group() as group:
             group.start_soon(env.exec, "sleep 4712")
-            await anyio.sleep(0.3)
+            # Running, not just asked for: a command still being spawned would miss the kill
+            # and keep the test waiting for its 4712 s.
+            with anyio.fail_after(60):
+                while not _runs(box, b"4712"):
+                    await anyio.sleep(0.02)
             execs = box._exec_ids
             assert await env.end_processes()  # type: ignore[attr-defined]
             assert box._exec_ids is execs and next(execs) == 2  # no command was run for it
@@ -271,6 +275,17 @@ async def test_end_processes_kills_all_but_pid_1_without_a_command(tmp_path: Pat
         assert not [p for p in alive if "sleep" in p], res.stdout
     finally:
         await env.stop(delete=True)
+
+
+def _runs(box: object, word: bytes) -> bool:
+    """Does a process of the sandbox have `word` in its command line?"""
+    for pid in box.cgroup.members():  # type: ignore[attr-defined]
+        try:
+            if word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                return True
+        except OSError:  # exited meanwhile
+            continue
+    return False
 
 
 async def test_end_processes_never_signals_a_host_process(tmp_path: Path) -> None:

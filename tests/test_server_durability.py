@@ -75,16 +75,20 @@ def test_kill_9_mid_batch_then_restart_loses_nothing(tmp_path: Path) -> None:
 
 def test_sigterm_drains_finishes_or_cancels_then_exits(tmp_path: Path) -> None:
     state = tmp_path / "state.sqlite3"
-    args = ("--drain-timeout-sec", "1.0")
+    # The drain leaves "quick" 2.5 s to spare on a loaded host (0.5 s was close).
+    args = ("--drain-timeout-sec", "3.0")
     with server_process(tmp_path, state, *args) as (proc, url), httpx.Client(base_url=url) as http:
         quick = submit(http, "quick", metadata={"sleep": 0.5})
         stuck = submit(http, "stuck", metadata={"sleep": 60})
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
+        # Once the server has the signal (a loaded host may take longer than a fixed 0.1 s
+        # to deliver it), it drains and refuses new rollouts.
+        while http.get("/health").json()["status"] != "draining":
+            assert time.monotonic() - started < 10, "the server never started draining"
+            time.sleep(0.02)
         refused = http.post("/rollout", json=rollout_body("late"))
         assert refused.status_code == 503
-        assert http.get("/health").json()["status"] == "draining"
         assert result(http, "quick", quick)["status"] == "success"
         cancelled = result(http, "stuck", stuck)
         assert cancelled["status"] == "cancelled"

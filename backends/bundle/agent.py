@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shlex
 import sys
 import tempfile
 import uuid
@@ -152,6 +153,7 @@ class WorkflowPlan:
         """End the warm runner, then ``close()``."""
         warm, self.warm = self.warm, None
         _WARM.pop(self._key, None)
+        _RUNNABLE.difference_update({seen for seen in _RUNNABLE if seen[0] == self._key})
         if warm is not None:
             await warm.aclose()
         self.close()
@@ -193,6 +195,7 @@ class WorkflowPlan:
             "python": str(self.environment.python),
             "live_key": f"{self._key}/{request.rollout_id}",
             "warm_key": self._key if self.warm is not None else None,
+            "plan_key": self._key,
         }
 
     def live_context(self, rollout_id: str) -> LivePreview | None:
@@ -200,7 +203,8 @@ class WorkflowPlan:
         return _LIVE.get(f"{self._key}/{rollout_id}")
 
     def environment_kwargs(self, request: RolloutRequest, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """LocalSandbox kwargs for the trial: the environment bound in, the relay's socket."""
+        """LocalSandbox kwargs for the trial: the environment and its Python bound in (read-only,
+        outside /root: any agent user runs them), the relay's socket."""
         assert self.environment is not None, "prepare() first"
         binds = kwargs.get("extra_binds") or []
         if isinstance(binds, str):
@@ -209,7 +213,6 @@ class WorkflowPlan:
         return {
             **kwargs,
             "extra_binds": [*binds, *self.environment.binds()],
-            "host_python": True,
             "relay_socket": str(route.relay_socket) if route.relay_socket else None,
             "relay_port": DEFAULT_RELAY_PORT,
         }
@@ -279,6 +282,8 @@ _LIVE: dict[str, LivePreview] = {}
 # Plans' warm runners, by plan key; held by their plan alone, so a backend dropped unclosed
 # takes its runner (and its sandbox) with it.
 _WARM: weakref.WeakValueDictionary[str, WarmRunner] = weakref.WeakValueDictionary()
+# (plan key, agent user) pairs seen running the environment: checked once, not per trial.
+_RUNNABLE: set[tuple[str, str]] = set()
 
 
 def _agent_failure(message: str) -> RolloutFailure:
@@ -297,6 +302,7 @@ class BundleAgent(BaseAgent):
         python: str = "",
         live_key: str | None = None,
         warm_key: str | None = None,
+        plan_key: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(logs_dir, model_name, *args, **kwargs)
@@ -306,6 +312,7 @@ class BundleAgent(BaseAgent):
         self.python = python
         self.live_key = live_key
         self.warm_key = warm_key
+        self.plan_key = plan_key
 
     @staticmethod
     def name() -> str:
@@ -316,13 +323,35 @@ class BundleAgent(BaseAgent):
 
     async def setup(self, environment: BaseEnvironment) -> None:
         if isinstance(environment, LocalSandbox):
-            return  # HarborBackend bound the environment in (WorkflowPlan.environment_kwargs)
+            # HarborBackend bound the environment in (WorkflowPlan.environment_kwargs).
+            await self._check_agent_user(environment)
+            return
         result = await environment.exec(f"test -x {self.python}", user="root")
         if result.return_code != 0:
             raise BundleRunnerError(
                 f"the bundle's environment ({self.python}) is not in the sandbox: HarborBackend "
                 "binds it into local sandboxes only"
             )
+
+    async def _check_agent_user(self, environment: BaseEnvironment) -> None:
+        """A non-root agent user can start the environment's Python in the project: an image
+        may close a folder the binds sit under (such as /var/cache, 0700) to that user. Once
+        per plan and user (every trial of a plan has its task's image); root always can."""
+        user = environment.default_user
+        if user in (None, 0, "root"):
+            return
+        seen = (self.plan_key or self.python, str(user))
+        if seen in _RUNNABLE:
+            return
+        probe = f"cd {shlex.quote(self.runner_input.project_dir)} && {self.python} -I -S -c ''"
+        result = await environment.exec(probe)
+        if result.return_code != 0:
+            raise BundleRunnerError(
+                f"the bundle's environment is in the sandbox, but the agent's user ({user}) "
+                "cannot run it: a folder it is bound under is closed to that user "
+                f"({(result.stderr or result.stdout or '').strip()[-500:]})"
+            )
+        _RUNNABLE.add(seen)
 
     async def run(
         self, instruction: str, environment: BaseEnvironment, context: AgentContext

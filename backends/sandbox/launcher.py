@@ -44,6 +44,7 @@ import anyio
 from backends.sandbox import seccomp
 from backends.sandbox.cgroups import Join
 from backends.sandbox.errors import HostPrerequisiteError, SandboxStartError
+from backends.sandbox.namespaces import open_namespaces
 from backends.sandbox.pidfds import has_exited
 from backends.sandbox.settings import UID_BASE, UID_COUNT, cache_dir
 
@@ -575,10 +576,9 @@ class Booted:
         Raises:
             ProcessLookupError: pid 1 is gone (its number may already be someone else's).
         """
-        fd = os.open(f"/proc/{self.init_pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-        if not self.alive():  # opened after pid 1 died: the number may have been reused
-            os.close(fd)
+        if self.init_fd < 0:
             raise ProcessLookupError(f"the sandbox's pid 1 ({self.init_pid}) is gone")
+        (fd,) = open_namespaces(self.init_fd, (name,))
         return fd
 
     async def init_exited(self) -> None:

@@ -2,15 +2,18 @@
 
 The process is named by a pidfd, so a pid reused by another process is never mistaken for
 it: a namespace is read through /proc/PID and trusted only if the pidfd's process is still
-alive afterwards.
+alive afterwards. A process that is exiting drops its namespaces before its pidfd turns
+readable, and one reaped leaves no /proc/PID: both answer ENOENT (a read after the reap
+ESRCH), which means the process is gone, as its callers are told.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from backends.sandbox.pidfds import has_exited
@@ -26,7 +29,8 @@ def open_namespaces(pidfd: int, names: Sequence[str]) -> list[int]:
     fds: list[int] = []
     try:
         for name in names:
-            fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
+            with _gone_if_missing(pid):
+                fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
         if has_exited(pidfd):  # exited: those may be another's
             raise ProcessLookupError(f"process {pid} is gone")
     except BaseException:
@@ -34,6 +38,15 @@ def open_namespaces(pidfd: int, names: Sequence[str]) -> list[int]:
             os.close(fd)
         raise
     return fds
+
+
+@contextlib.contextmanager
+def _gone_if_missing(pid: int) -> Iterator[None]:
+    """Turn /proc/PID's answers for a process that is exiting or reaped into ProcessLookupError."""
+    try:
+        yield
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise ProcessLookupError(f"process {pid} is gone") from e
 
 
 def pid_of(pidfd: int) -> int:
@@ -49,7 +62,9 @@ def pid_of(pidfd: int) -> int:
 def owner_uid(pidfd: int) -> int:
     """The host uid a live process runs as (for a sandbox's pid 1: its range's root)."""
     pid = pid_of(pidfd)
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    with _gone_if_missing(pid):
+        status = Path(f"/proc/{pid}/status").read_text()
+    for line in status.splitlines():
         if line.startswith("Uid:"):
             uid = int(line.split()[2])  # effective
             if has_exited(pidfd):

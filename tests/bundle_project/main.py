@@ -6,10 +6,12 @@ returns its sample in one of the ways a workflow may.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
+import sys
 from typing import Any
 
 import anyio
@@ -146,6 +148,71 @@ class ReportsParent(AgentWorkflow):
             "other_processes": float(len(others)),
         }
         return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics=metrics)
+
+
+class ReportsIdentity(AgentWorkflow):
+    """The sample, and in its metrics who the runner runs as (uid, euid), whether its parent
+    is in its pid namespace (cold: yes; forked: no) and whether the host Python's prefix (the
+    metadata's ``host_prefix``) is visible; in ``identity.json`` of its artifacts what
+    ``identity()`` found."""
+
+    async def run(self, ctx: AgentWorkflowContext[Any]) -> AgentWorkflowOutput:
+        reply = await ask(ctx)
+        found = identity(str((ctx.metadata or {}).get("host_prefix") or "/nonexistent"))
+        assert ctx.artifacts_dir is not None
+        (ctx.artifacts_dir / "identity.json").write_text(json.dumps(found))
+        metrics = {
+            "uid": float(os.getuid()),
+            "euid": float(os.geteuid()),
+            "parent_visible": float(os.getppid() != 0),
+            "host_prefix_visible": float(found["host_prefix_visible"]),
+        }
+        return AgentWorkflowOutput(messages=[*ctx.prompt, reply], metrics=metrics)
+
+
+def identity(host_prefix: str) -> dict[str, Any]:
+    """What this process reaches: mounts under /root, the host's prefix, its interpreter's
+    prefix, and which of its interpreter's, environment's and project's folders and files it
+    could remount writable or write into (none should be: they are bound read-only)."""
+    with open("/proc/self/mountinfo") as mounts:
+        targets = [line.split()[4] for line in mounts]
+    ours = (sys.prefix, sys.base_prefix, os.getcwd())  # the venv, the Python copy, the project
+    remounted = [
+        place
+        for place in ours
+        if subprocess.run(["mount", "-o", "remount,bind,rw", place], capture_output=True).returncode
+        == 0
+    ]
+    places = [
+        *ours,
+        os.path.join(sys.prefix, "bin"),
+        os.path.join(sys.base_prefix, "bin"),
+        os.path.dirname(os.__file__),  # the standard library
+        os.path.dirname(anyio.__file__),  # an installed dependency
+    ]
+    written = []
+    for place in places:
+        planted = os.path.join(place, "planted")
+        try:
+            with open(planted, "w") as handle:
+                handle.write("x")
+            os.remove(planted)
+            written.append(place)
+        except OSError:
+            pass
+    for existing in (os.path.realpath(sys.executable), os.__file__):
+        try:  # opened for writing (nothing written: a success is the finding)
+            os.close(os.open(existing, os.O_WRONLY))
+            written.append(existing)
+        except OSError:
+            pass
+    return {
+        "under_root": [t for t in targets if t == "/root" or t.startswith("/root/")],
+        "host_prefix_visible": os.path.exists(host_prefix),
+        "prefix": sys.base_prefix,
+        "remounted": remounted,
+        "written": written,
+    }
 
 
 def own_memory_canaries() -> list[str]:
