@@ -16,6 +16,11 @@ Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
 
+# Scope key of a callable our server (``backends.relay.serving``) adds to each request: called
+# by an app that vouches for the request (a rollout's token checked), it keeps the connection
+# from being closed to make room for others until the response ends.
+KEEP_CONNECTION = "backends.keep_connection"
+
 
 async def send_json(
     send: Send,

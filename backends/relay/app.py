@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from backends.asgi import Receive, Scope, Send, send_json
+from backends.asgi import KEEP_CONNECTION, Receive, Scope, Send, send_json
 from backends.relay.http1 import (
     ConnectionPool,
     Response,
@@ -181,6 +181,41 @@ class RelayApp:
                 wire=shape,
             )
 
+        most = self.settings.max_calls_in_flight
+        if state.in_flight >= most:
+            return await _reply_error(
+                send,
+                429,
+                f"rollout {rollout_id!r} already has {most} calls in flight, the relay's limit "
+                "for one rollout (max_calls_in_flight): wait for one to finish",
+                "too_many_calls_in_flight",
+                "rate_limit_error",
+                wire=shape,
+            )
+        # Admitted: the server no longer closes this connection to make room for new ones. What
+        # one rollout holds that way is bounded by the limit above.
+        keep = scope.get(KEEP_CONNECTION)
+        if keep is not None:
+            keep()
+        state.in_flight += 1
+        try:
+            await self._admitted(state, send, receive, route, wire, shape, length, retry, forward)
+        finally:
+            state.in_flight -= 1
+
+    async def _admitted(
+        self,
+        state: RolloutState,
+        send: Send,
+        receive: Receive,
+        route: str,
+        wire: Wire | None,
+        shape: Wire,
+        length: int,
+        retry: int,
+        forward: bytes,
+    ) -> None:
+        """A call whose token checked out: read its body, record it and forward it."""
         limit = self.settings.max_request_bytes
         if length > limit:
             return await _too_large(send, length, limit, shape)

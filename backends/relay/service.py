@@ -149,6 +149,7 @@ class Relay(Served):
                 port=self._port,
                 unix_socket_path=self._unix,
                 embedded=self._embedded,
+                max_idle_connections=self.core.settings.max_idle_connections,
             )
         )
         self.core.origin = self._listening.origin

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import os
+import resource
 import socket
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +26,15 @@ import anyio
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from backends.asgi import KEEP_CONNECTION
+
 # Sandboxes run as a mapped uid that is not the host user: the socket must be connectable by
 # anyone who can reach the path. Access is still guarded by the per-rollout token.
 UNIX_SOCKET_MODE = 0o666
+# Connections the kernel queues for accepting; also the most one turn of the loop accepts.
+LISTEN_BACKLOG = 2048
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -149,18 +160,112 @@ class _CoalescingTransport:
 # the first request, from the connect). uvicorn times only the idle wait between requests, so
 # a client that connects and never sends held a connection, and its fds, for good.
 HEADER_TIMEOUT_SEC = 30.0
+# How long a client that shut its side down after its request still gets for the answer. A read
+# cannot tell that (nc -N, some HTTP/1.0 clients) from a client that hung up, whose call must
+# be abandoned soon, so the upstream stops generating for nobody.
+HALF_CLOSE_GRACE_SEC = 0.5
+# The most idle connections a server keeps by default, whatever the open-file limit.
+MAX_IDLE_CONNECTIONS = 4096
+
+
+def default_max_idle_connections() -> int:
+    """A quarter of the process's open-file limit, at most ``MAX_IDLE_CONNECTIONS``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_IDLE_CONNECTIONS
+    return max(16, min(MAX_IDLE_CONNECTIONS, soft // 4))
+
+
+class _IdleConnections:
+    """A server's connections that serve no call an app vouched for, by source address.
+
+    That is every connection waiting for (or sending) a request, idle between requests, or
+    answering one that needs no token. Anyone who can reach the port can open those, so past
+    ``most`` of them one is closed: the oldest of the source holding the most. A flood from
+    one address (one pod) then closes only its own connections, and never another pod's, as
+    long as it holds more than that pod. Connections the app keeps (``KEEP_CONNECTION``) are
+    not here; the app bounds them per rollout.
+    """
+
+    __slots__ = ("_by_source", "_count", "_heaviest", "_told_at", "evicted", "most")
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._by_source: dict[str, OrderedDict[_Protocol, None]] = {}
+        self._count = 0
+        self._heaviest = ""  # a source holding the most connections (kept up on add)
+        self.evicted = 0
+        self._told_at = -math.inf
+
+    def add(self, connection: _Protocol) -> None:
+        source = connection.source
+        group = self._by_source.setdefault(source, OrderedDict())
+        if connection in group:
+            return
+        group[connection] = None
+        self._count += 1
+        heaviest = self._by_source.get(self._heaviest)
+        if heaviest is None or len(group) > len(heaviest):
+            self._heaviest = source
+        while self._count > self.most:
+            self._evict()
+
+    def discard(self, connection: _Protocol) -> None:
+        source = connection.source
+        group = self._by_source.get(source)
+        if group is not None and connection in group:
+            del group[connection]
+            self._count -= 1
+            if not group:
+                del self._by_source[source]
+
+    def _evict(self) -> None:
+        group = self._by_source.get(self._heaviest)
+        if group is None or len(group) * len(self._by_source) < self._count:
+            # Its connections closed or were kept since: below the average, so find the
+            # heaviest again (rare, and each search needs that many closes first).
+            self._heaviest = max(self._by_source, key=lambda s: len(self._by_source[s]))
+            group = self._by_source[self._heaviest]
+        oldest, _ = group.popitem(last=False)
+        self._count -= 1
+        if not group:
+            del self._by_source[self._heaviest]
+        oldest.transport.abort()  # close() would wait for a peer that reads nothing
+        self.evicted += 1
+        now = time.monotonic()
+        if now - self._told_at >= 60:
+            self._told_at = now
+            _log.warning(
+                "more than %d connections serve no rollout's call: closing the oldest of %s, "
+                "which holds the most (%d closed so far)",
+                self.most,
+                self._heaviest or "the Unix socket",
+                self.evicted,
+            )
+
+    def __len__(self) -> int:
+        return self._count
 
 
 class _Protocol(HttpToolsProtocol):
     header_timeout_s = HEADER_TIMEOUT_SEC
+    half_close_grace_s = HALF_CLOSE_GRACE_SEC
+    idle: _IdleConnections  # one per server: set by _protocol_class
+    source = ""  # the peer's address; "" on the Unix socket
     _header_timer: asyncio.TimerHandle | None = None
+    _half_closed: asyncio.TimerHandle | None = None  # the grace's end, once the client's EOF came
+    _kept = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CoalescingTransport(transport))  # type: ignore[arg-type]
+        if self.client is not None:
+            self.source = self.client[0]
         self._time_headers()
+        self.idle.add(self)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[KEEP_CONNECTION] = self._keep  # type: ignore[literal-required]
         if self._header_timer is None:
             self._time_headers()
 
@@ -168,9 +273,44 @@ class _Protocol(HttpToolsProtocol):
         self._stop_timing_headers()
         super().on_headers_complete()
 
+    def on_response_complete(self) -> None:
+        if self._kept:
+            self._kept = False
+            if not self.transport.is_closing():
+                self.idle.add(self)
+        super().on_response_complete()
+        if self._half_closed is not None and self.cycle.response_complete:
+            self._half_closed.cancel()
+            self._half_closed = None
+            self.transport.close()  # all it asked is answered; close() sends what is left
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio allows True
+        if self.cycle is None or self.cycle.response_complete:
+            return None  # nothing asked is unanswered: close
+        # Keep the connection for the answer, for a grace (HALF_CLOSE_GRACE_SEC).
+        self._half_closed = self.loop.call_later(self.half_close_grace_s, self._grace_over)
+        return True
+
+    def _grace_over(self) -> None:
+        self._half_closed = None
+        self.transport.abort()  # as a hang-up: the app sees the disconnect, abandons the call
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._half_closed is not None:
+            self._half_closed.cancel()
+            self._half_closed = None
         self._stop_timing_headers()
+        self.idle.discard(self)
         super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self) -> None:
+        self.idle.discard(self)  # another protocol object serves the connection from now on
+        super().handle_websocket_upgrade()
+
+    def _keep(self) -> None:
+        if not self._kept:
+            self._kept = True
+            self.idle.discard(self)
 
     def _time_headers(self) -> None:
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
@@ -186,10 +326,12 @@ class _Protocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def _protocol_class(header_timeout_s: float) -> type[_Protocol]:
-    if header_timeout_s == HEADER_TIMEOUT_SEC:
-        return _Protocol
-    return type("_Protocol", (_Protocol,), {"header_timeout_s": header_timeout_s})
+def _protocol_class(header_timeout_s: float, max_idle_connections: int) -> type[_Protocol]:
+    attributes = {
+        "header_timeout_s": header_timeout_s,
+        "idle": _IdleConnections(max_idle_connections),
+    }
+    return type("_Protocol", (_Protocol,), attributes)
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -198,7 +340,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(2048)
+        sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -220,7 +362,7 @@ def bind_unix(path: Path) -> socket.socket:
     try:
         sock.bind(os.fspath(path))
         os.chmod(path, UNIX_SOCKET_MODE)
-        sock.listen(2048)
+        sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -239,6 +381,7 @@ async def serve_asgi(
     access_log: bool = False,
     graceful_shutdown_s: int = 5,
     header_timeout_s: float = HEADER_TIMEOUT_SEC,
+    max_idle_connections: int | None = None,
 ) -> AsyncIterator[Listening]:
     """Serve ``app`` until the block exits; yield where it listens.
 
@@ -246,8 +389,12 @@ async def serve_asgi(
     (uvicorn is asyncio-only). On exit the server stops accepting, lets in-flight requests
     finish for up to ``graceful_shutdown_s`` and then cancels them; the Unix socket file is
     removed. A connection that takes longer than ``header_timeout_s`` to send a request's
-    headers is closed.
+    headers is closed, and past ``max_idle_connections`` (default:
+    ``default_max_idle_connections()``) connections serving no call the app keeps
+    (``KEEP_CONNECTION``), the oldest of them is closed.
     """
+    if max_idle_connections is None:
+        max_idle_connections = default_max_idle_connections()
     sockets = [bind_tcp(host, port)]
     bound_port = sockets[0].getsockname()[1]
     try:
@@ -255,7 +402,7 @@ async def serve_asgi(
             sockets.append(bind_unix(unix_socket_path))
         config = uvicorn.Config(
             app,
-            http=_protocol_class(header_timeout_s),
+            http=_protocol_class(header_timeout_s, max_idle_connections),
             lifespan="off",
             access_log=access_log,
             log_level="warning",
@@ -264,6 +411,7 @@ async def serve_asgi(
             timeout_graceful_shutdown=graceful_shutdown_s,
             # An agent's next policy call may come many seconds after the last one.
             timeout_keep_alive=75,
+            backlog=LISTEN_BACKLOG,
             proxy_headers=False,  # the relay trusts no forwarding headers; skip the middleware
         )
         server = _EmbeddedServer(config, embedded=embedded)

@@ -64,6 +64,7 @@ class RolloutState:
     policy_version: str | None
     registered_at: float
     calls: list[RawCall] = field(default_factory=list)
+    in_flight: int = 0  # calls admitted and not yet answered
 
 
 class Registry:

@@ -53,12 +53,28 @@ class RelaySettings:
     # come (to <base>/responses, <base>/messages) instead of translated to chat completions.
     # Nothing is added to such requests (no token-id fields: request_token_ids is for chat).
     native_apis: frozenset[str] = frozenset()
+    # Calls one rollout may have in flight at once; more are refused with a 429 naming this
+    # limit (SDKs retry those). It bounds the connections and upstream calls one sandbox can
+    # hold open, whatever it does, so it cannot starve other rollouts.
+    max_calls_in_flight: int = 64
+    # Connections not serving a rollout's call (waiting for a request, idle between requests,
+    # answering one without a rollout token) the relay keeps: past it, the oldest is closed.
+    # None: a quarter of the process's open-file limit, at most 4,096.
+    max_idle_connections: int | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.native_apis) - {"responses", "messages"}
         if unknown:
             raise ValueError(
                 f"native_apis {sorted(unknown)}: an upstream may speak 'responses' or 'messages'"
+            )
+        if self.max_calls_in_flight < 1:
+            raise ValueError(
+                f"max_calls_in_flight must be at least 1, not {self.max_calls_in_flight}"
+            )
+        if self.max_idle_connections is not None and self.max_idle_connections < 1:
+            raise ValueError(
+                f"max_idle_connections must be at least 1, not {self.max_idle_connections}"
             )
 
 
