@@ -66,7 +66,8 @@ def req(rid: str, **metadata: Any) -> RolloutRequest:
 async def test_results_arrive_as_they_finish_within_the_bound(tmp_path: Path) -> None:
     Echo.peak = 0
     backend = LocalBackend(workflow=Echo, grader=Match, artifacts_root=tmp_path)
-    requests = [req("slow", sleep=0.3, answer="ok")] + [req(f"fast{i}") for i in range(5)]
+    # Slow by far: on a starved host five 0.01 s rollouts once took longer than 0.3 s.
+    requests = [req("slow", sleep=3, answer="ok")] + [req(f"fast{i}") for i in range(5)]
     order: list[str] = []
     async with run_batch(backend, requests, max_in_flight=3) as results:
         async for result in results:

@@ -30,6 +30,7 @@ from backends import (
     SampleSource,
     get_rollout_context,
 )
+from backends.rollout import watchdog
 from backends.rollout.backend import CancelDisposition
 
 pytestmark = pytest.mark.anyio
@@ -275,7 +276,12 @@ async def test_max_concurrent_bounds_parallel_executions(tmp_path: Path) -> None
     assert all(r.reward == 1.0 for r in results)
 
 
-async def test_agent_timeout_counts_time_spent_queued(tmp_path: Path) -> None:
+async def test_agent_timeout_counts_time_spent_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop watchdog gives rollouts back the time a late loop cost them, and a starved
+    # host makes the loop late (it once saved "second"): off, so only the queue counts here.
+    monkeypatch.setattr(watchdog, "ENABLED", False)
     config = AgentWorkflowConfig(name="s", concurrency=ConcurrencyConfig(max_concurrent=1))
     backend = LocalBackend(
         workflow=Sleeper, workflow_config=config, grader=ExactMatch, artifacts_root=tmp_path

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -273,6 +274,69 @@ async def test_a_sparse_session_file_is_never_read_by_the_host(
     assert "' is 1073741824 bytes; files named like it are read whole" in log.read_text()
     agent_logs = [p for p in (tmp_path / "trials").glob("*/agent/**/*") if p.is_file()]
     assert not [p for p in agent_logs if p.stat().st_size > 1024 * 1024], agent_logs
+
+
+# Two session files of small valid events, each just within what a download may bring
+# (unpack.PARSED_PATTERN_LIMITS: 32 MiB a file, 64 MiB in all): Harbor's claude-code class
+# converts every line of both after the run, 1-3 s of CPU.
+EVENT = json.dumps(
+    {"type": "user", "uuid": "e&", "message": {"role": "user", "content": "a" * 200}}
+)
+EVENTS_PER_FILE = 30 * 1024 * 1024 // (len(EVENT) + 8)
+LARGE_SESSIONS = (  # events numbered by sed's "&", each its own step
+    "; d=/logs/agent/sessions/projects/-app; mkdir -p $d; for i in 1 2; do "
+    f"seq {EVENTS_PER_FILE} | sed -e s/^/$i-/ -e {shlex.quote(f's/.*/{EVENT}/')} "
+    "> $d/0000000$i-0000-4000-8000-000000000000.jsonl; done"
+)
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(("agent", "then"), [(CLAUDE_CODE, LARGE_SESSIONS)], ids=["claude-code"])
+async def test_converting_a_large_session_leaves_the_event_loop_free(
+    agent: Agent, tmp_path: Path, relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Harbor converts the agent's session files after the run; on the event loop that stood
+    # every other rollout and the relay still as long as it took. Measured: the worst
+    # lateness of a 10 ms tick on the same loop, against how long the conversion took (the
+    # ratio holds on a loaded host; single calls into pydantic over the whole trajectory
+    # still hold the interpreter's lock, so the tick is not free of it entirely).
+    converting: list[float] = []
+    convert = ClaudeCode.populate_context_post_run
+
+    def timed(self: ClaudeCode, context: Any) -> None:
+        start = time.monotonic()
+        convert(self, context)
+        converting.append(time.monotonic() - start)
+
+    monkeypatch.setattr(ClaudeCode, "populate_context_post_run", timed)
+    backend = backend_for(agent, tmp_path, tasks_dir=TASKS, task_mode="dataset")
+    await backend.start()  # its one-time imports are not what this measures
+    rollout = RolloutRequest(
+        rollout_id=f"{agent.name}-copy", prompt=[], metadata={"harbor_task_id": "workdir-copy"}
+    )
+    worst, done = 0.0, False
+
+    async def tick() -> None:
+        nonlocal worst
+        while not done:
+            start = time.monotonic()
+            await anyio.sleep(0.01)
+            worst = max(worst, time.monotonic() - start - 0.01)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            [result] = await collect(RelayedBackend(backend, relay), [rollout])
+            done = True
+    finally:
+        await backend.aclose()
+    assert result.status is RolloutStatus.SUCCESS, result.failure
+    assert result.reward == 1.0 and len(result.policy_trace.calls) == agent.calls
+    assert result.sample.metrics["n_output_tokens"] > 0  # the session's counts, converted
+    [took] = converting  # once: Harbor's own call found it done
+    print(f"conversion {took:.2f} s, worst tick lateness {worst:.2f} s")
+    assert took > 0.3  # the sessions were large enough to measure against
+    assert worst < 0.5 * took, f"the loop stood still {worst:.2f} s of the {took:.2f} s"
 
 
 # A session of the agent's own making, named to sort last: the one Harbor's codex class converts.

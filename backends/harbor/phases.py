@@ -40,6 +40,7 @@ from harbor.trial.trial import Trial
 from harbor.utils.env import is_sensitive_env_key
 
 from backends.bundle.agent import WorkflowPlan
+from backends.harbor.agent_logs import convert_off_the_loop
 from backends.harbor.agents import AgentSpec
 from backends.harbor.files import (
     ArtifactSink,
@@ -249,6 +250,7 @@ class TrialPhases(RolloutPhases):
             TrialEvent.VERIFICATION_START,
         ):
             self.trial.add_hook(event, self._bound_transfers)
+        self.trial.add_hook(TrialEvent.AGENT_END, self._convert_agent_logs)
         self.trial.add_hook(TrialEvent.VERIFICATION_START, self._grading)
         self.trial.add_hook(TrialEvent.END, self._before_harbors_scrub)
 
@@ -270,6 +272,10 @@ class TrialPhases(RolloutPhases):
             budget = trial.verifier_timeout_sec
         if budget:
             trial.agent_environment.transfer_timeout_sec = min(budget, TRANSFER_TIMEOUT_SEC)
+
+    async def _convert_agent_logs(self, event: TrialHookEvent) -> None:
+        if self.trial is not None:  # Harbor would convert them next, on the loop
+            await convert_off_the_loop(self.trial)
 
     async def _grading(self, event: TrialHookEvent) -> None:
         self.tracked.status = RolloutStatus.GRADING
