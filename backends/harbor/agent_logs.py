@@ -75,14 +75,15 @@ async def _to_the_end(fn: Any, *args: Any) -> None:
     its cleanup then reads what the conversion writes, and must not race it."""
     future = asyncio.ensure_future(anyio.to_thread.run_sync(fn, *args, limiter=CONVERSIONS))
     cancelled = False
-    while True:
-        try:
-            await asyncio.shield(future)
-            break
-        except asyncio.CancelledError:
-            if future.done():
-                break
-            cancelled = True
+    # The shield keeps an anyio scope's cancel from being re-sent on every wait (a busy loop);
+    # asyncio's own task.cancel() (how Harbor's trial is cancelled) passes it, hence the loop.
+    with anyio.CancelScope(shield=True):
+        while not future.done():
+            try:
+                await asyncio.shield(future)
+            except asyncio.CancelledError:
+                cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+    await anyio.lowlevel.checkpoint()  # an anyio scope's cancel, raised as that scope expects
     future.result()
