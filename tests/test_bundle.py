@@ -6,6 +6,7 @@ with the embedded scripted policy, and compare with LocalBackend on the same dat
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -743,8 +744,9 @@ async def test_a_non_root_agent_user_runs_the_workflow_forked_and_cold(
 
 
 @pytest.mark.sandbox
-def test_a_backend_dropped_after_its_event_loop_closed_ends_its_warm_runner(
-    tmp_path: Path,
+@pytest.mark.parametrize("loop_left", ["closed", "stopped"])
+def test_a_backend_dropped_after_its_event_loop_ended_ends_its_warm_runner(
+    tmp_path: Path, loop_left: str
 ) -> None:
     warmed = Warmed(tmp_path)
 
@@ -755,10 +757,18 @@ def test_a_backend_dropped_after_its_event_loop_closed_ends_its_warm_runner(
         ):
             await warmed.run(relay)
 
-    anyio.run(warm_up)
-    assert warmed.sandboxes <= set(running_sandboxes())
-    warmed.drop()  # no loop left to hand the kills to: they run here
-    anyio.run(warmed.assert_ended, 10)
+    # A script's run_until_complete without close() leaves its loop stopped, not closed: a
+    # callback handed to it would wait for a run that may never come.
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(warm_up())
+        if loop_left == "closed":
+            loop.close()
+        assert warmed.sandboxes <= set(running_sandboxes())
+        warmed.drop()  # no loop running to hand the kills to: they run here
+        anyio.run(warmed.assert_ended, 10)
+    finally:
+        loop.close()
 
 
 def test_a_bundle_opens_from_its_folder(tmp_path: Path) -> None:

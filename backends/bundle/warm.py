@@ -134,15 +134,18 @@ def _stop_unclosed(
 ) -> None:
     """``_stop()`` for a runner collected unclosed. A finalizer cannot await and may run in
     any thread, inside any code: the kills go to the runner's loop as a callback of their own
-    (or run here once that loop is closed); the waiting and removals to the cleanup thread."""
+    (or run here when that loop is not running); the waiting and removals to the cleanup thread."""
 
     def stop() -> None:
         servers.close()
         host.sandbox.stop_nowait(then=lambda: shutil.rmtree(scratch, ignore_errors=True))
 
+    if not loop.is_running():  # closed, or stopped (perhaps for good): nothing of it runs now
+        stop()
+        return
     try:
         loop.call_soon_threadsafe(stop)
-    except RuntimeError:  # the loop is closed: nothing of it runs any more
+    except RuntimeError:  # closed meanwhile
         stop()
 
 
